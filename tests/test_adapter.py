@@ -1,0 +1,115 @@
+"""make_stiefel on real PEFT LoRA models, and the parameter groups build_fora_optimizer makes from them."""
+
+import pytest
+import torch
+from conftest import TARGETS, tiny_llama
+from peft import LoraConfig, get_peft_model
+
+from fora_plugin import build_fora_optimizer, make_stiefel, stiefel_parameters
+from fora_plugin.stiefel import orthogonality_error
+
+
+def lora(model, r=4, adapter_name="default", **kwargs):
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS, lora_dropout=0.0, **kwargs)
+    return get_peft_model(model, config, adapter_name=adapter_name)
+
+
+def layer_modules(peft_model, layer):
+    return [n for n, _ in peft_model.named_modules() if f".layers.{layer}." in n and n.split(".")[-1] in TARGETS]
+
+
+def logits(model, tokens):
+    with torch.no_grad():
+        return model(input_ids=tokens).logits
+
+
+def test_stiefel_init_is_orthonormal_and_leaves_the_model_unchanged(llama, token_batch):
+    base_logits = logits(llama, token_batch)
+    model = lora(llama, adapter_name="task")  # any adapter name, not only "default"
+    names = make_stiefel(model, generator=torch.Generator().manual_seed(0))
+    assert len(names) == 4 * len(TARGETS)
+    for _, weight in stiefel_parameters(model):
+        assert orthogonality_error(weight.detach()) < 1e-6
+    for name in names:
+        assert torch.count_nonzero(model.get_submodule(name).lora_A["task"].weight) == 0
+    assert torch.equal(logits(model, token_batch), base_logits)  # ΔW = B·0 = 0 exactly
+
+
+def test_only_the_named_modules_become_stiefel(llama):
+    model = lora(llama)
+    chosen = layer_modules(model, 2)
+    names = make_stiefel(model, chosen)
+    assert names == chosen
+    marked = [name for name, _ in stiefel_parameters(model)]
+    assert marked == [f"{n}.lora_B.default.weight" for n in chosen]
+
+
+def test_gaussian_init_a_follows_the_paper_and_changes_the_output(llama, token_batch):
+    base_logits = logits(llama, token_batch)
+    model = lora(llama, r=8)
+    make_stiefel(model, init_a="gaussian", generator=torch.Generator().manual_seed(1))
+    a = torch.cat([m.lora_A["default"].weight.flatten() for n, m in model.named_modules() if n.endswith("up_proj")])
+    assert abs(a.std().item() - 8**-0.5) < 0.02
+    assert not torch.allclose(logits(model, token_batch), base_logits)
+
+
+def test_seeded_generator_reproduces_the_initialisation():
+    weights = []
+    for _ in range(2):
+        model = lora(tiny_llama())
+        make_stiefel(model, generator=torch.Generator().manual_seed(7))
+        weights.append(torch.cat([w.detach().flatten() for _, w in stiefel_parameters(model)]))
+    assert torch.equal(*weights)
+
+
+def test_bad_inputs_are_refused_by_name(llama):
+    model = lora(llama)
+    with pytest.raises(ValueError, match=r"init_a='normal'.*\('zeros', 'gaussian'\)"):
+        make_stiefel(model, init_a="normal")
+    with pytest.raises(ValueError, match=r"\['model.layers.9.q_proj'\] are not LoRA modules"):
+        make_stiefel(model, ["model.layers.9.q_proj"])
+    with pytest.raises(ValueError, match=r"no LoRA layer"):
+        make_stiefel(tiny_llama())
+
+
+def test_dora_and_oversized_rank_are_refused(llama):
+    with pytest.raises(ValueError, match=r"uses DoRA"):
+        make_stiefel(lora(tiny_llama(), use_dora=True))
+    # k_proj has d_out = 16 (2 kv heads of 8): rank 24 cannot be orthonormal there.
+    with pytest.raises(ValueError, match=r"d_out=16 < r=24"):
+        make_stiefel(lora(llama, r=24))
+
+
+def test_two_adapters_need_an_explicit_name(llama):
+    model = lora(llama, adapter_name="first")
+    model.add_adapter("second", LoraConfig(r=4, target_modules=TARGETS))
+    model.base_model.set_adapter(["first", "second"])
+    with pytest.raises(ValueError, match=r"adapters \['first', 'second'\].*adapter_name"):
+        make_stiefel(model)
+    make_stiefel(model, adapter_name="second")
+    assert all(name.endswith("lora_B.second.weight") for name, _ in stiefel_parameters(model))
+
+
+def test_optimizer_groups_adamw_first_and_only_stiefel_b_in_the_stiefel_group(llama):
+    model = lora(llama, lora_bias=True)
+    make_stiefel(model, layer_modules(model, 1) + layer_modules(model, 3))
+    opt = build_fora_optimizer(model, lr=2e-4, lr_stiefel=1e-3, weight_decay=0.01)
+    decay, no_decay, stiefel = opt.param_groups
+    assert (decay["stiefel"], no_decay["stiefel"], stiefel["stiefel"]) == (False, False, True)
+    assert (decay["lr"], stiefel["lr"]) == (2e-4, 1e-3)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.01, 0.0)
+    expected = {id(w) for _, w in stiefel_parameters(model)}
+    assert {id(p) for p in stiefel["params"]} == expected and len(expected) == 2 * len(TARGETS)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all("lora_B" in names[id(p)] and "bias" not in names[id(p)] for p in stiefel["params"])
+    assert all(names[id(p)].endswith("bias") for p in no_decay["params"])  # lora_bias -> no decay
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    grouped = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(grouped) == sorted(trainable)  # every trainable parameter exactly once
+
+
+def test_without_stiefel_adapters_there_is_no_stiefel_group(llama):
+    opt = build_fora_optimizer(lora(llama), lr=1e-4)
+    assert not opt.stiefel_groups
+    with pytest.raises(ValueError, match=r"no trainable parameter"):
+        build_fora_optimizer(tiny_llama().requires_grad_(False))

@@ -1,0 +1,262 @@
+"""CayleyAdam and FoRAOptimizer on bare tensors: trajectories, manifold, resume, robustness, errors."""
+
+import copy
+import io
+
+import pytest
+import torch
+from dense_reference import dense_cayley_adam
+
+from fora_plugin import CayleyAdam, FoRAOptimizer
+from fora_plugin.stiefel import orthogonality_error, random_stiefel
+
+
+def stiefel_params(shapes, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(random_stiefel(d, r, generator=gen).to(dtype)) for d, r in shapes]
+
+
+def set_random_grads(params, gen, scale=1.0):
+    for p in params:
+        p.grad = (scale * torch.randn(p.shape, generator=gen)).to(p.dtype)
+
+
+def test_trajectory_matches_the_dense_appendix_c_reference():
+    gen = torch.Generator().manual_seed(0)
+    B0 = random_stiefel(24, 4, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(24, 4, generator=gen, dtype=torch.float64) for _ in range(12)]
+    expected = dense_cayley_adam(B0, grads, lr=0.05)
+
+    p = torch.nn.Parameter(B0.clone())
+    opt = CayleyAdam([p], lr=0.05, qr_period=0)
+    for G, B_ref in zip(grads, expected):
+        p.grad = G.clone()
+        opt.step()
+        assert torch.max(torch.abs(p.detach() - B_ref)) < 1e-10
+
+
+def test_stacked_update_equals_one_optimizer_per_matrix():
+    shapes = [(48, 4), (48, 4), (48, 4), (20, 2)]
+    together = stiefel_params(shapes, seed=1)
+    alone = [torch.nn.Parameter(p.detach().clone()) for p in together]
+    opt_together = CayleyAdam(together, lr=0.01)
+    opts_alone = [CayleyAdam([p], lr=0.01) for p in alone]
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        grads = [torch.randn(p.shape, generator=gen) for p in together]
+        for p, q, g in zip(together, alone, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt_together.step()
+        for opt in opts_alone:
+            opt.step()
+    for p, q in zip(together, alone):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_orthonormality_drift_stays_below_1e_4_after_2000_fp32_steps_without_qr():
+    params = stiefel_params([(256, 16), (256, 16), (64, 8)], seed=3)
+    opt = CayleyAdam(params, lr=5e-2, qr_period=0)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(2000):
+        set_random_grads(params, gen)
+        opt.step()
+    drift = max(orthogonality_error(p.detach()).item() for p in params)
+    print(f"drift after 2000 fp32 steps: {drift:.2e}")
+    assert drift < 1e-4
+    # The points did move: a stationary optimizer would pass the drift check trivially.
+    start = stiefel_params([(256, 16)], seed=3)[0]
+    assert torch.linalg.norm(params[0].detach() - start) > 1.0
+
+
+def test_qr_period_reprojects_onto_the_manifold():
+    (p,) = stiefel_params([(32, 4)], seed=5)
+    opt = CayleyAdam([p], lr=1e-2, qr_period=3)
+    gen = torch.Generator().manual_seed(6)
+    for step in range(1, 4):
+        set_random_grads([p], gen)
+        if step == 3:
+            with torch.no_grad():
+                p.add_(1e-3 * torch.randn(p.shape, generator=gen))  # knock the point off the manifold
+        opt.step()
+    # Cayley preserves BᵀB, so only the QR at step 3 brings the drift back to rounding level.
+    assert orthogonality_error(p.detach()) < 1e-5
+
+
+def test_maximising_a_trace_finds_the_top_eigenspace():
+    # max tr(BᵀSB) over St(d, r) is attained at the top-r eigenvectors of S.
+    gen = torch.Generator().manual_seed(7)
+    d, r = 60, 4
+    Q, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+    eigenvalues = torch.cat([torch.tensor([10.0, 9.0, 8.0, 7.0]), torch.linspace(3.0, 0.0, d - r)]).double()
+    S = (Q * eigenvalues) @ Q.T
+    (p,) = stiefel_params([(d, r)], seed=8, dtype=torch.float64)
+    opt = CayleyAdam([p], lr=0.05)
+    for _ in range(600):
+        opt.zero_grad()
+        loss = -torch.trace(p.T @ S @ p)
+        loss.backward()
+        opt.step()
+    top = torch.linalg.eigh(S).eigenvectors[:, -r:]  # (d, r)
+    cosines = torch.linalg.svdvals(top.T @ p.detach())
+    largest_principal_angle = torch.arccos(cosines.min().clamp(max=1.0))
+    assert largest_principal_angle < 1e-2
+    assert orthogonality_error(p.detach()) < 1e-10
+
+
+@pytest.mark.parametrize("solver", ["exact", "fixed_point"])
+def test_state_dict_round_trip_continues_bit_identically(solver):
+    shapes = [(40, 4), (40, 4), (16, 2)]
+    params = stiefel_params(shapes, seed=9)
+    opt = CayleyAdam(params, lr=0.02, qr_period=4, cayley_solver=solver)
+    gen = torch.Generator().manual_seed(10)
+    for _ in range(5):
+        set_random_grads(params, gen)
+        opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = CayleyAdam(resumed_params, lr=0.02, qr_period=4, cayley_solver=solver)
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    for _ in range(6):  # crosses a QR step: the step counter came back too
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        for p, q, g in zip(params, resumed_params, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        resumed.step()
+    for p, q in zip(params, resumed_params):
+        assert torch.equal(p, q)
+
+
+def test_non_finite_gradient_skips_only_that_matrix_and_is_counted():
+    params = stiefel_params([(30, 3), (30, 3), (30, 3)], seed=11)
+    opt = CayleyAdam(params, lr=0.05)
+    gen = torch.Generator().manual_seed(12)
+    for _ in range(3):
+        set_random_grads(params, gen)
+        opt.step()
+    before = [p.detach().clone() for p in params]
+    moments = [opt.state[p]["exp_avg"].clone() for p in params]
+    set_random_grads(params, gen)
+    params[1].grad[0, 0] = float("nan")
+    params[2].grad[5, 1] = float("inf")
+    opt.step()
+    assert not torch.equal(params[0], before[0])
+    for i in (1, 2):
+        assert torch.equal(params[i], before[i])
+        assert torch.equal(opt.state[params[i]]["exp_avg"], moments[i])
+        assert orthogonality_error(params[i].detach()) < 1e-5
+    assert torch.all(torch.isfinite(torch.stack([p.detach() for p in params])))
+    assert opt.skipped_steps() == 2
+    assert [int(opt.state[p]["skipped_steps"]) for p in params] == [0, 1, 1]
+    assert [int(opt.state[p]["step"]) for p in params] == [4, 3, 3]
+
+
+def test_bf16_parameter_keeps_an_orthonormal_fp32_master_for_1000_steps():
+    (p,) = stiefel_params([(128, 8)], seed=13, dtype=torch.bfloat16)
+    opt = CayleyAdam([p], lr=1e-2)
+    gen = torch.Generator().manual_seed(14)
+    for _ in range(1000):
+        set_random_grads([p], gen)
+        opt.step()
+    master = opt.state[p]["master"]
+    assert master.dtype == torch.float32 and p.dtype == torch.bfloat16
+    assert orthogonality_error(master) < 1e-5
+    assert torch.equal(p.detach(), master.to(torch.bfloat16))  # the stored copy is the master, rounded
+    # A resume keeps the master in fp32 (Optimizer.load_state_dict alone would cast it to bf16).
+    resumed = CayleyAdam([torch.nn.Parameter(p.detach().clone())], lr=1e-2)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    (q,) = resumed.param_groups[0]["params"]
+    assert resumed.state[q]["master"].dtype == torch.float32
+    assert torch.equal(resumed.state[q]["master"], master)
+
+
+def test_a_point_off_the_manifold_is_projected_at_its_first_step():
+    p = torch.nn.Parameter(torch.randn(20, 3, generator=torch.Generator().manual_seed(15)))
+    opt = CayleyAdam([p], lr=1e-3)
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert orthogonality_error(p.detach()) < 1e-6
+
+
+def test_construction_refuses_what_cannot_be_stiefel():
+    with pytest.raises(ValueError, match=r"shape \(16,\).*only 2-D"):
+        CayleyAdam([torch.nn.Parameter(torch.zeros(16))])
+    with pytest.raises(ValueError, match=r"d_out=3 < r=8.*r <= 3"):
+        CayleyAdam([torch.nn.Parameter(torch.zeros(3, 8))])
+    with pytest.raises(TypeError, match=r"dtype torch.int64"):
+        CayleyAdam([torch.zeros(4, 2, dtype=torch.long)])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lr": -1.0}, r"lr=-1.0"),
+        ({"betas": (0.9, 1.0)}, r"betas=\(0.9, 1.0\)"),
+        ({"eps": -1e-8}, r"eps=-1e-08"),
+        ({"qr_period": -5}, r"qr_period=-5.*0 = never"),
+        ({"qr_period": 2.5}, r"qr_period=2.5"),
+        ({"cayley_solver": "newton"}, r"cayley_solver='newton'.*'exact', 'fixed_point'"),
+        ({"cayley_iters": 0}, r"cayley_iters=0"),
+    ],
+)
+def test_bad_hyperparameters_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CayleyAdam(stiefel_params([(8, 2)]), **kwargs)
+
+
+def test_fora_optimizer_steps_adamw_groups_like_torch_adamw():
+    gen = torch.Generator().manual_seed(16)
+    a = torch.nn.Parameter(torch.randn(6, 10, generator=gen))
+    a_ref = torch.nn.Parameter(a.detach().clone())
+    (b,) = stiefel_params([(12, 6)], seed=17)
+    opt = FoRAOptimizer(
+        [{"params": [a], "weight_decay": 0.1}, {"params": [b], "stiefel": True}],
+        adamw_defaults={"lr": 1e-2},
+        stiefel_defaults={"lr": 5e-2},
+    )
+    ref = torch.optim.AdamW([a_ref], lr=1e-2, weight_decay=0.1)
+    for _ in range(4):
+        g = torch.randn(a.shape, generator=gen)
+        a.grad, a_ref.grad = g.clone(), g.clone()
+        b.grad = torch.randn(b.shape, generator=gen)
+        opt.step()
+        ref.step()
+    assert torch.equal(a, a_ref)
+    assert [g["stiefel"] for g in opt.param_groups] == [False, True]
+    assert opt.param_groups[1]["lr"] == 5e-2 and opt.param_groups[0]["lr"] == 1e-2
+    assert orthogonality_error(b.detach()) < 1e-5
+
+
+def test_fora_optimizer_resumes_both_groups_bit_identically():
+    gen = torch.Generator().manual_seed(18)
+
+    def build(a, b):
+        return FoRAOptimizer(
+            [{"params": [a]}, {"params": [b], "stiefel": True}],
+            adamw_defaults={"lr": 1e-2},
+            stiefel_defaults={"lr": 5e-2, "qr_period": 3},
+        )
+
+    a = torch.nn.Parameter(torch.randn(4, 9, generator=gen))
+    (b,) = stiefel_params([(9, 4)], seed=19, dtype=torch.bfloat16)
+    opt = build(a, b)
+    for _ in range(4):
+        a.grad, b.grad = torch.randn(a.shape, generator=gen), torch.randn(b.shape, generator=gen).bfloat16()
+        opt.step()
+    a2, b2 = torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(b.detach().clone())
+    resumed = build(a2, b2)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert resumed.state[b2]["master"].dtype == torch.float32
+    for _ in range(4):
+        ga, gb = torch.randn(a.shape, generator=gen), torch.randn(b.shape, generator=gen).bfloat16()
+        a.grad, b.grad, a2.grad, b2.grad = ga.clone(), gb.clone(), ga.clone(), gb.clone()
+        opt.step()
+        resumed.step()
+    assert torch.equal(a, a2) and torch.equal(b, b2)
+    assert torch.equal(opt.state[b]["master"], resumed.state[b2]["master"])
+
+
+def test_fora_optimizer_refuses_a_bad_stiefel_group_by_name():
+    with pytest.raises(ValueError, match=r"only 2-D"):
+        FoRAOptimizer([{"params": [torch.nn.Parameter(torch.zeros(5))], "stiefel": True}])
