@@ -2,17 +2,26 @@
 
 from . import stiefel
 from .adapter import make_stiefel, stiefel_parameters
+from .config import FoRAConfig
+from .fisher import FisherScores, fisher_scores
 from .optim import CayleyAdam, FoRAOptimizer, build_fora_optimizer
+from .selection import select_layers
+from .trainer import FoRASFTTrainer
 
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CayleyAdam",
+    "FisherScores",
+    "FoRAConfig",
     "FoRAOptimizer",
+    "FoRASFTTrainer",
     "__version__",
     "build_fora_optimizer",
+    "fisher_scores",
     "make_stiefel",
+    "select_layers",
     "stiefel",
     "stiefel_parameters",
 ]

@@ -1,0 +1,195 @@
+"""FoRAConfig: where to adapt and how, validated up front; and its ``fora_``-prefixed form for YAML configs."""
+
+# No `from __future__ import annotations`: HfArgumentParser reads these field types at run time.
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .fisher import FISHER_PARAMS
+from .selection import LAYER_STRATEGIES
+from .stiefel import CAYLEY_SOLVERS
+
+
+MODES = ("fora", "fg-lora", "stiefel-lora", "lora")
+# mode -> (Fisher-selected layers, Stiefel lora_B): the paper's 2x2 ablation.
+MODE_PARTS = {"fora": (True, True), "fg-lora": (True, False), "stiefel-lora": (False, True), "lora": (False, False)}
+INIT_A = ("zeros", "gaussian")
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is invalid: use one of {choices}.")
+
+
+def _check_int(name: str, value: Any, minimum: int, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid: use an int >= {minimum} ({hint}).")
+
+
+@dataclass
+class FoRAConfig:
+    """Configuration of FoRA: Fisher-selected layers and Stiefel-constrained ``lora_B``.
+
+    The LoRA itself (rank, alpha, target modules, dropout) comes from a normal ``peft.LoraConfig``.
+    """
+
+    mode: str = field(
+        default="fora",
+        metadata={
+            "help": "'fora': Fisher-selected layers + Stiefel lora_B (the method). The paper's ablation: 'fg-lora' "
+            "(Fisher-selected layers, plain LoRA: PEFT's init, AdamW on A and B), 'stiefel-lora' (all layers, "
+            "Stiefel lora_B), 'lora' (all layers, plain LoRA: exactly TRL's SFTTrainer with the LoraConfig).",
+            "choices": MODES,
+        },
+    )
+    layer_budget: float | int | str = field(
+        default=0.5,
+        metadata={
+            "help": "K, the number of layers to adapt: a float in (0, 1] is a fraction of the L decoder layers "
+            "(0.5 = the paper's K = L/2; 1.0 = all), an int is K itself. Ignored when `layers` is given."
+        },
+    )
+    layers: list[int] | None = field(
+        default=None,
+        metadata={"help": "Explicit decoder-layer indices to adapt (0-based); skips Fisher scoring."},
+    )
+    layer_strategy: str = field(
+        default="fisher",
+        metadata={
+            "help": "How to pick the K layers: 'fisher' (top-K Fisher scores, ties to the lower index), or the "
+            "paper's controls 'random' (seeded by `seed`), 'first', 'last'.",
+            "choices": LAYER_STRATEGIES,
+        },
+    )
+    fisher_batches: int = field(
+        default=128,
+        metadata={"help": "N, the number of training mini-batches the Fisher score averages over (paper: 128)."},
+    )
+    fisher_params: str = field(
+        default="layer",
+        metadata={
+            "help": "Which base parameters a layer's score sums over: 'layer' (all of the decoder layer, the "
+            "paper's definition) or 'targets' (only the LoRA target linears).",
+            "choices": FISHER_PARAMS,
+        },
+    )
+    lr_stiefel: float = field(
+        default=1e-3,
+        metadata={"help": "Learning rate of Cayley-Adam on lora_B (paper: 1e-3, against 2e-4 for lora_A)."},
+    )
+    qr_period: int = field(
+        default=200,
+        metadata={"help": "Re-project every lora_B onto the manifold by QR every this many steps; 0 = never."},
+    )
+    cayley_solver: str = field(
+        default="exact",
+        metadata={
+            "help": "'exact': the Woodbury Cayley step (one 2r x 2r solve); 'fixed_point': the paper's "
+            "fixed-point iteration (`cayley_iters` steps), to reproduce its numbers.",
+            "choices": CAYLEY_SOLVERS,
+        },
+    )
+    cayley_iters: int = field(
+        default=5,
+        metadata={"help": "Iterations of the fixed-point Cayley solver (paper: 5)."},
+    )
+    init_a: str = field(
+        default="zeros",
+        metadata={
+            "help": "Initial lora_A of a Stiefel adapter: 'zeros' (ΔW = BA = 0 at step 0, the model starts as the "
+            "base) or 'gaussian' (the paper's N(0, 1/r): ΔW != 0 at step 0).",
+            "choices": INIT_A,
+        },
+    )
+    scores_path: str | None = field(
+        default=None,
+        metadata={"help": "A fora_scores.json from an earlier run to reuse instead of scoring again."},
+    )
+    seed: int | None = field(
+        default=None,
+        metadata={"help": "Seed of the random layer strategy and the Stiefel init; None = the training seed."},
+    )
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, MODES)
+        _check_choice("layer_strategy", self.layer_strategy, LAYER_STRATEGIES)
+        _check_choice("fisher_params", self.fisher_params, FISHER_PARAMS)
+        _check_choice("cayley_solver", self.cayley_solver, CAYLEY_SOLVERS)
+        _check_choice("init_a", self.init_a, INIT_A)
+        self.layer_budget = _parse_budget(self.layer_budget)
+        _check_int("fisher_batches", self.fisher_batches, 1, "the paper uses 128")
+        _check_int("qr_period", self.qr_period, 0, "0 = never re-project")
+        _check_int("cayley_iters", self.cayley_iters, 1, "the paper uses 5")
+        if isinstance(self.lr_stiefel, bool) or not isinstance(self.lr_stiefel, (int, float)) or self.lr_stiefel <= 0:
+            raise ValueError(f"lr_stiefel={self.lr_stiefel!r} is invalid: use a float > 0 (the paper uses 1e-3).")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, "or None for the training seed")
+        if self.layers is not None:
+            self.layers = list(self.layers)
+            bad = [i for i in self.layers if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+            if bad or not self.layers or len(set(self.layers)) != len(self.layers):
+                raise ValueError(
+                    f"layers={self.layers!r} is invalid: use distinct 0-based layer indices, e.g. [0, 3, 7]."
+                )
+            if not self.selects_layers:
+                raise ValueError(
+                    f"layers={self.layers} contradicts mode={self.mode!r}, which adapts every layer: "
+                    "use mode 'fora' or 'fg-lora' with explicit layers."
+                )
+            if self.scores_path is not None:
+                raise ValueError("layers and scores_path are both set: explicit layers skip scoring, so drop one.")
+
+    @property
+    def selects_layers(self) -> bool:
+        """Whether this mode adapts a selection of layers (else: every layer)."""
+        return MODE_PARTS[self.mode][0]
+
+    @property
+    def uses_stiefel(self) -> bool:
+        """Whether this mode makes lora_B Stiefel-constrained."""
+        return MODE_PARTS[self.mode][1]
+
+
+def _parse_budget(value: float | int | str) -> float | int:
+    # From the command line every value is a string: "8" is K = 8, "0.5" is a fraction.
+    if isinstance(value, str):
+        try:
+            value = int(value) if value.strip().lstrip("+").isdigit() else float(value)
+        except ValueError:
+            raise ValueError(f"layer_budget={value!r} is invalid: use a fraction in (0, 1] or an int K.") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"layer_budget={value!r} is invalid: use a fraction in (0, 1] or an int K.")
+    if isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise ValueError(f"layer_budget={value} is a fraction outside (0, 1]: use e.g. 0.5 (K = L/2) or an int K.")
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"layer_budget={value} gives K < 1: adapt at least one layer.")
+    return value
+
+
+PREFIX = "fora_"
+
+
+def _arguments_class() -> type:
+    # The same fields with a `fora_` prefix, for TrlParser/HfArgumentParser next to SFTConfig (whose `seed` would
+    # clash) and for YAML keys that read the same in `fora train` configs and Axolotl configs.
+    specs = []
+    for f in dataclasses.fields(FoRAConfig):
+        annotation = str if f.name == "layer_budget" else f.type
+        default = str(f.default) if f.name == "layer_budget" else f.default
+        specs.append((PREFIX + f.name, annotation, field(default=default, metadata=dict(f.metadata))))
+
+    def to_fora_config(self) -> FoRAConfig:
+        return FoRAConfig(**{f.name[len(PREFIX) :]: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    return dataclasses.make_dataclass(
+        "FoRAArguments",
+        specs,
+        namespace={
+            "to_fora_config": to_fora_config,
+            "__module__": __name__,
+            "__doc__": "FoRAConfig's fields with a `fora_` prefix, for YAML/command-line parsing.",
+        },
+    )
+
+
+FoRAArguments = _arguments_class()

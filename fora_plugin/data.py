@@ -1,0 +1,97 @@
+"""Training data for `fora train`: a local JSON/JSONL file or a `datasets` name, with Alpaca rows made TRL-ready.
+
+Alpaca rows (`instruction`, `input`, `output`) become prompt/completion pairs in the Stanford Alpaca template.
+TRL's `SFTTrainer` trains such datasets with the loss on the completion only (its default
+`completion_only_loss`), so the model learns the responses, not the instructions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from datasets import Dataset, load_dataset
+
+
+ALPACA_PROMPT_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+ALPACA_COLUMNS = ("instruction", "input", "output")
+# Columns of formats that SFTTrainer reads as they are: a dataset with one of them is not converted.
+_SFT_COLUMNS = ("prompt", "messages", "text")
+_JSON_SUFFIXES = (".json", ".jsonl")
+
+
+def alpaca_to_prompt_completion(row: dict) -> dict:
+    """Turn one Alpaca row into `{"prompt", "completion"}`; an empty or missing `input` uses the no-input template."""
+    if row.get("input"):
+        prompt = ALPACA_PROMPT_WITH_INPUT.format(instruction=row["instruction"], input=row["input"])
+    else:
+        prompt = ALPACA_PROMPT_NO_INPUT.format(instruction=row["instruction"])
+    return {"prompt": prompt, "completion": row["output"]}
+
+
+def load_train_dataset(
+    name_or_path: str,
+    *,
+    config_name: str | None = None,
+    split: str = "train",
+    base_dir: str | Path | None = None,
+) -> Dataset:
+    """Load one split of a local `.json`/`.jsonl` file (or folder of them) or of a `datasets` hub dataset.
+
+    A relative local path is looked up in the current directory, then in `base_dir` (the YAML config's folder).
+    Alpaca-format rows are converted with `alpaca_to_prompt_completion`; other datasets are returned unchanged.
+    """
+    local = _find_local(name_or_path, base_dir)
+    if local is None:
+        dataset = load_dataset(name_or_path, name=config_name, split=split)
+    else:
+        if config_name is not None:
+            raise ValueError(
+                f"config_name={config_name!r} was given for the local dataset {str(local)!r}, but only hub "
+                "datasets have configs. Remove config_name."
+            )
+        if split != "train":
+            raise ValueError(
+                f"split={split!r} is not in the local dataset {str(local)!r}, whose only split is ['train']. "
+                "Use split: train, or point to a file holding that split."
+            )
+        dataset = load_dataset("json", data_files=_json_files(local), split="train")
+
+    columns = set(dataset.column_names)
+    if {"instruction", "output"} <= columns and not columns & set(_SFT_COLUMNS):
+        dataset = dataset.map(alpaca_to_prompt_completion, remove_columns=[c for c in ALPACA_COLUMNS if c in columns])
+    return dataset
+
+
+def _find_local(name_or_path: str, base_dir: str | Path | None) -> Path | None:
+    """The existing local file or folder `name_or_path` names, or None for a `datasets` name."""
+    path = Path(name_or_path).expanduser()
+    tried = [path] if path.is_absolute() else [Path.cwd() / path]
+    if not path.is_absolute() and base_dir is not None:
+        tried.append(Path(base_dir) / path)
+    for candidate in tried:
+        if candidate.exists():
+            return candidate
+    if path.suffix in _JSON_SUFFIXES or path.is_absolute():
+        raise ValueError(
+            f"Dataset file {name_or_path!r} not found; tried {', '.join(str(p) for p in tried)}. "
+            "Relative paths are looked up in the current directory, then next to the config file."
+        )
+    return None
+
+
+def _json_files(local: Path) -> list[str]:
+    files = [local] if local.is_file() else sorted(p for p in local.iterdir() if p.suffix in _JSON_SUFFIXES)
+    if not files or files[0].suffix not in _JSON_SUFFIXES:
+        raise ValueError(
+            f"Local dataset {str(local)!r} is not a .json/.jsonl file or a folder holding some. Convert it to "
+            "JSON/JSONL, or give a `datasets` hub name."
+        )
+    return [str(p) for p in files]

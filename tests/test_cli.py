@@ -1,0 +1,85 @@
+"""The fora command on a tiny local model: YAML in, adapter, scores, plot and table out."""
+
+import json
+
+import pytest
+import yaml
+from conftest import TARGETS, char_tokenizer, tiny_llama
+
+from fora_plugin.cli import main
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    model_dir = root / "model"
+    tiny_llama(4, vocab_size=99).save_pretrained(model_dir)
+    char_tokenizer().save_pretrained(model_dir)
+    rows = [
+        {"instruction": f"Add {a} and {b}.", "input": "", "output": str(a + b)} for a in range(5) for b in range(5)
+    ]
+    (root / "data").mkdir()
+    (root / "data" / "sums.json").write_text(json.dumps(rows))
+    config = {
+        "model_name_or_path": str(model_dir),
+        "dtype": "float32",
+        "dataset_name": "data/sums.json",  # relative to the config file
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "lora_target_modules": TARGETS,
+        "fora_fisher_batches": 2,
+        "fora_layer_budget": 0.5,
+        "output_dir": str(root / "out"),
+        "use_cpu": True,
+        "bf16": False,
+        "gradient_checkpointing": False,
+        "per_device_train_batch_size": 4,
+        "max_steps": 3,
+        "learning_rate": 1e-3,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+    }
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return root, path
+
+
+def test_fora_train_writes_adapter_scores_and_plot(setup, capsys):
+    root, path = setup
+    assert main(["train", str(path), "--max_steps", "2"]) == 0  # a command-line override
+    out = root / "out"
+    saved = json.loads((out / "fora_scores.json").read_text())
+    assert saved["k"] == 2 and len(saved["scores"]) == 4 and saved["num_batches"] == 2
+    assert (out / "fora_scores.png").exists() and (out / "adapter_model.safetensors").exists()
+    printed = capsys.readouterr().out
+    assert "| layer | Fisher score | trainable params |" in printed and "adapter (plain PEFT LoRA)" in printed
+    state = json.loads((out / "trainer_state.json").read_text()) if (out / "trainer_state.json").exists() else None
+    assert state is None or state["global_step"] == 2
+
+
+def test_fora_score_prints_the_table_for_any_mode(setup, capsys):
+    _, path = setup
+    assert main(["score", str(path), "--fora_mode", "lora", "--output_dir", str(path.parent / "scored")]) == 0
+    printed = capsys.readouterr().out
+    assert "LoRA on 2 of 4 decoder layers (chosen by: fisher)" in printed
+    assert (path.parent / "scored" / "fora_scores.json").exists()
+
+
+def test_bad_inputs_give_a_message_not_a_traceback(setup, capsys, tmp_path):
+    _, path = setup
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert "is not a file" in capsys.readouterr().err
+    assert main(["score", str(path), "--fora_layer_budget", "9"]) == 2
+    assert "layer_budget=9 layers is outside 1..4" in capsys.readouterr().err
+    assert main(["score", str(path), "--dataset_name", "data/nope.json"]) == 2
+    assert "nope.json" in capsys.readouterr().err
+
+
+def test_version_and_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert "fora-plugin" in capsys.readouterr().out
+    assert main([]) == 0
+    assert "train" in capsys.readouterr().out

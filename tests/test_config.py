@@ -1,0 +1,92 @@
+"""FoRAConfig validation and its fora_-prefixed YAML form."""
+
+import pytest
+import yaml
+from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+
+from fora_plugin import FoRAConfig
+from fora_plugin.config import FoRAArguments
+
+
+def test_defaults_are_the_papers_settings():
+    config = FoRAConfig()
+    assert (config.mode, config.layer_budget, config.fisher_batches, config.lr_stiefel, config.qr_period) == (
+        "fora",
+        0.5,
+        128,
+        1e-3,
+        200,
+    )
+    assert config.selects_layers and config.uses_stiefel
+
+
+@pytest.mark.parametrize(
+    ("mode", "selects", "stiefel"),
+    [("fora", True, True), ("fg-lora", True, False), ("stiefel-lora", False, True), ("lora", False, False)],
+)
+def test_modes_are_the_2x2_ablation(mode, selects, stiefel):
+    config = FoRAConfig(mode=mode)
+    assert (config.selects_layers, config.uses_stiefel) == (selects, stiefel)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mode": "dora"}, r"mode='dora' is invalid: use one of \('fora', 'fg-lora', 'stiefel-lora', 'lora'\)"),
+        ({"layer_strategy": "best"}, r"layer_strategy='best' is invalid"),
+        ({"fisher_params": "all"}, r"fisher_params='all' is invalid"),
+        ({"cayley_solver": "newton"}, r"cayley_solver='newton' is invalid"),
+        ({"init_a": "normal"}, r"init_a='normal' is invalid"),
+        ({"layer_budget": 0}, r"layer_budget=0 gives K < 1"),
+        ({"layer_budget": 1.5}, r"layer_budget=1.5 is a fraction outside \(0, 1\]"),
+        ({"layer_budget": "half"}, r"layer_budget='half' is invalid"),
+        ({"fisher_batches": 0}, r"fisher_batches=0 is invalid: use an int >= 1"),
+        ({"qr_period": -1}, r"qr_period=-1 is invalid"),
+        ({"cayley_iters": 0}, r"cayley_iters=0 is invalid"),
+        ({"lr_stiefel": 0.0}, r"lr_stiefel=0.0 is invalid"),
+        ({"layers": [1, 1]}, r"layers=\[1, 1\] is invalid"),
+        ({"layers": [-2]}, r"layers=\[-2\] is invalid"),
+        ({"layers": [1], "mode": "lora"}, r"layers=\[1\] contradicts mode='lora'"),
+        ({"layers": [1], "scores_path": "x.json"}, r"layers and scores_path are both set"),
+    ],
+)
+def test_bad_values_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FoRAConfig(**kwargs)
+
+
+def test_layer_budget_strings_from_the_command_line():
+    assert FoRAConfig(layer_budget="8").layer_budget == 8
+    assert FoRAConfig(layer_budget="0.25").layer_budget == 0.25
+
+
+def test_every_field_has_help():
+    import dataclasses
+
+    assert all(f.metadata.get("help") for f in dataclasses.fields(FoRAConfig))
+
+
+def test_yaml_and_overrides_through_trls_parser(tmp_path):
+    config = {
+        "model_name_or_path": "m",
+        "output_dir": str(tmp_path),
+        "bf16": False,
+        "seed": 7,
+        "fora_mode": "fg-lora",
+        "fora_layer_budget": 3,
+        "fora_fisher_batches": 16,
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig, FoRAArguments))
+    *_, training, _, fora = parser.parse_args_and_config(["--config", str(path), "--fora_layers", "1", "3"])
+    fora_config = fora.to_fora_config()
+    assert training.seed == 7  # SFTConfig keeps its own seed; FoRA's is fora_seed
+    assert (fora_config.mode, fora_config.layer_budget, fora_config.fisher_batches, fora_config.layers) == (
+        "fg-lora",
+        3,
+        16,
+        [1, 3],
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args_and_config(["--config", str(path), "--fora_mode", "nope"])

@@ -1,0 +1,153 @@
+"""load_train_dataset on local JSON/JSONL files and the bundled Alpaca sample; the Alpaca templates verbatim."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from datasets import Dataset
+
+from fora_plugin.data import alpaca_to_prompt_completion, load_train_dataset
+
+
+EXAMPLE_CONFIGS = Path(__file__).resolve().parents[1] / "example_configs"
+
+ROWS = [
+    {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+    {"instruction": "Name a colour.", "input": "", "output": "Blue."},
+]
+
+
+def write_json(path: Path, rows: list[dict]) -> Path:
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_alpaca_template_with_input():
+    assert alpaca_to_prompt_completion(ROWS[0]) == {
+        "prompt": "Below is an instruction that describes a task, paired with an input that provides further "
+        "context. Write a response that appropriately completes the request.\n\n"
+        "### Instruction:\nAdd the numbers.\n\n### Input:\n2 and 3\n\n### Response:\n",
+        "completion": "5",
+    }
+
+
+@pytest.mark.parametrize("row", [ROWS[1], {"instruction": "Name a colour.", "output": "Blue."}])
+def test_alpaca_template_without_input(row):
+    assert alpaca_to_prompt_completion(row) == {
+        "prompt": "Below is an instruction that describes a task. Write a response that appropriately completes "
+        "the request.\n\n### Instruction:\nName a colour.\n\n### Response:\n",
+        "completion": "Blue.",
+    }
+
+
+@pytest.mark.parametrize("writer, name", [(write_json, "rows.json"), (write_jsonl, "rows.jsonl")])
+def test_local_alpaca_file_becomes_prompt_completion(tmp_path, writer, name):
+    dataset = load_train_dataset(str(writer(tmp_path / name, ROWS)))
+    assert dataset.column_names == ["prompt", "completion"]
+    assert dataset.to_list() == [alpaca_to_prompt_completion(row) for row in ROWS]
+
+
+def test_folder_of_jsonl_files(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", ROWS[:1])
+    write_jsonl(tmp_path / "b.jsonl", ROWS[1:])
+    (tmp_path / "notes.txt").write_text("not data")
+    dataset = load_train_dataset(str(tmp_path))
+    assert sorted(dataset["completion"]) == ["5", "Blue."]
+
+
+def test_relative_path_falls_back_to_base_dir(tmp_path, monkeypatch):
+    config_dir = tmp_path / "configs"
+    (config_dir / "data").mkdir(parents=True)
+    write_json(config_dir / "data" / "rows.json", ROWS)
+    monkeypatch.chdir(tmp_path)  # "data/rows.json" is not under the current directory
+    dataset = load_train_dataset("data/rows.json", base_dir=config_dir)
+    assert dataset["completion"] == ["5", "Blue."]
+
+
+def test_relative_path_prefers_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "configs").mkdir()
+    write_json(tmp_path / "rows.json", ROWS[:1])
+    write_json(tmp_path / "configs" / "rows.json", ROWS)
+    monkeypatch.chdir(tmp_path)
+    assert load_train_dataset("rows.json", base_dir=tmp_path / "configs")["completion"] == ["5"]
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [{"prompt": "2+3=", "completion": "5"}],
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}],
+        [{"text": "plain language-modelling text"}],
+        # Alpaca columns next to a ready SFT column: the dataset already says what to train on.
+        [{"instruction": "Add.", "output": "5", "text": "2+3=5"}],
+    ],
+)
+def test_non_alpaca_datasets_pass_through(tmp_path, rows):
+    dataset = load_train_dataset(str(write_jsonl(tmp_path / "rows.jsonl", rows)))
+    assert dataset.to_list() == rows
+
+
+def test_missing_file_names_the_paths_tried(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config_dir = tmp_path / "configs"
+    with pytest.raises(ValueError, match=r"'data/missing\.json' not found; tried .*data/missing\.json, .*configs"):
+        load_train_dataset("data/missing.json", base_dir=config_dir)
+
+
+def test_missing_absolute_path(tmp_path):
+    with pytest.raises(ValueError, match="not found; tried"):
+        load_train_dataset(str(tmp_path / "nowhere" / "rows.jsonl"))
+
+
+def test_unknown_split_names_the_available_ones(tmp_path):
+    path = write_json(tmp_path / "rows.json", ROWS)
+    with pytest.raises(ValueError, match=r"split='test' .* only split is \['train'\]"):
+        load_train_dataset(str(path), split="test")
+
+
+def test_config_name_is_rejected_for_local_files(tmp_path):
+    path = write_json(tmp_path / "rows.json", ROWS)
+    with pytest.raises(ValueError, match="config_name='en' .* Remove config_name"):
+        load_train_dataset(str(path), config_name="en")
+
+
+@pytest.mark.parametrize("name", ["rows.csv", "folder"])
+def test_non_json_local_data_is_rejected(tmp_path, name):
+    if name == "folder":
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rows.csv").write_text("instruction,output\nAdd.,5\n")
+    else:
+        (tmp_path / name).write_text("instruction,output\nAdd.,5\n")
+    with pytest.raises(ValueError, match=r"is not a \.json/\.jsonl file or a folder holding some"):
+        load_train_dataset(str(tmp_path / name))
+
+
+def test_bundled_alpaca_sample(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # found through base_dir, as `fora train example_configs/....yaml` finds it
+    dataset = load_train_dataset("data/alpaca_en_demo.json", base_dir=EXAMPLE_CONFIGS)
+    assert len(dataset) == 999
+    assert dataset.column_names == ["prompt", "completion"]
+    raw = json.loads((EXAMPLE_CONFIGS / "data" / "alpaca_en_demo.json").read_text())
+    assert dataset[0] == alpaca_to_prompt_completion(raw[0])
+    with_input = sum(bool(row["input"]) for row in raw)
+    assert sum("### Input:\n" in prompt for prompt in dataset["prompt"]) == with_input > 0
+
+
+def test_hub_names_go_to_datasets(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(path, **kwargs):  # no network here: stands in for the hub
+        calls.append((path, kwargs))
+        return Dataset.from_list(ROWS)
+
+    monkeypatch.setattr("fora_plugin.data.load_dataset", fake_load_dataset)
+    dataset = load_train_dataset("tatsu-lab/alpaca", config_name="default", split="train[:2]")
+    assert calls == [("tatsu-lab/alpaca", {"name": "default", "split": "train[:2]"})]
+    assert dataset.column_names == ["prompt", "completion"]

