@@ -32,6 +32,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -60,17 +61,22 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_per_call(call: Callable[[], Any], device: torch.device, calls: int) -> float:
-    """Mean seconds per call over ``calls`` back-to-back calls (the caller has warmed up).
+def time_per_call(call: Callable[[], Any], device: torch.device, calls: int, repeats: int) -> float:
+    """Seconds per call: the median over ``repeats`` blocks of the mean over ``calls`` back-to-back calls.
 
-    A mean, not a median, so that it compares directly with one fisher_scores call over n batches divided by n.
+    A mean within a block, so that it compares directly with one fisher_scores call over n batches divided by n; a
+    median over blocks, so that one block slowed by another process on a shared CPU does not decide the result.
+    The caller has warmed up.
     """
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    synchronize(device)
-    return (time.perf_counter() - start) / calls
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        synchronize(device)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
 
 
 def build_model(name: str, device: torch.device) -> nn.Module:
@@ -174,14 +180,16 @@ def prepare(kind: str, model: nn.Module, batch: dict[str, torch.Tensor]) -> Call
     raise ValueError(f"unknown measurement {kind!r}: use one of {KINDS}")
 
 
-def timed_call(kind: str, model: nn.Module, batch: dict, op: Callable[[], Any], device: torch.device, n: int) -> float:
+def timed_call(
+    kind: str, model: nn.Module, batch: dict, op: Callable[[], Any], device: torch.device, n: int, repeats: int
+) -> float:
     """Seconds per batch of ``kind``, after the caller's warm-up."""
     if kind == "scoring":
         from fora_plugin.fisher import fisher_scores
 
         # One scoring run over n batches, as phase 1 does it (one host sync at the end), divided by n.
-        return time_per_call(lambda: fisher_scores(model, [batch] * n, n, progress=False), device, 1) / n
-    return time_per_call(op, device, n)
+        return time_per_call(lambda: fisher_scores(model, [batch] * n, n, progress=False), device, 1, repeats) / n
+    return time_per_call(op, device, n, repeats)
 
 
 def _proc_status_kb(field: str) -> int:
@@ -223,7 +231,7 @@ def fault_in(model: nn.Module) -> None:
             tensor.sum()
 
 
-def measure_cpu_child(kind: str, name: str, n: int) -> None:
+def measure_cpu_child(kind: str, name: str, n: int, repeats: int) -> None:
     """One measurement in this (fresh) process; prints a JSON line for the parent."""
     device = torch.device("cpu")
     model = build_model(name, device)
@@ -231,14 +239,15 @@ def measure_cpu_child(kind: str, name: str, n: int) -> None:
     op = prepare(kind, model, batch)
     fault_in(model)
     peak = cpu_peak_bytes(op)  # its two calls are also the timing's warm-up
-    seconds = timed_call(kind, model, batch, op, device, n)
+    seconds = timed_call(kind, model, batch, op, device, n, repeats)
     print(json.dumps({"kind": kind, "model": name, "seconds": seconds, "peak_bytes": peak}))
 
 
-def measure_cpu(name: str, n: int) -> dict[str, dict[str, float]]:
+def measure_cpu(name: str, n: int, repeats: int) -> dict[str, dict[str, float]]:
     results = {}
     for kind in KINDS:
         command = [sys.executable, os.path.abspath(__file__), "--_measure", kind, "--model", name, "--batches", str(n)]
+        command += ["--repeats", str(repeats)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"measuring {kind} on {name} failed:\n{done.stderr}")
@@ -246,14 +255,14 @@ def measure_cpu(name: str, n: int) -> dict[str, dict[str, float]]:
     return results
 
 
-def measure_cuda(name: str, device: torch.device, n: int) -> dict[str, dict[str, float]]:
+def measure_cuda(name: str, device: torch.device, n: int, repeats: int) -> dict[str, dict[str, float]]:
     model = build_model(name, device)
     batch = make_batch(model, name, device)
     results = {}
-    for kind in KINDS:  # lora_step last: it wraps the model with adapters in place
+    for kind in ("scoring", "keep_all", "lora_step"):  # lora_step last: it wraps the model with adapters in place
         op = prepare(kind, model, batch)
         peak = cuda_peak_bytes(op, device)
-        seconds = timed_call(kind, model, batch, op, device, n)
+        seconds = timed_call(kind, model, batch, op, device, n, repeats)
         results[kind] = {"seconds": seconds, "peak_bytes": peak}
         del op
         gc.collect()
@@ -261,6 +270,17 @@ def measure_cuda(name: str, device: torch.device, n: int) -> dict[str, dict[str,
     gc.collect()
     torch.cuda.empty_cache()
     return results
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
 
 
 def main() -> None:
@@ -272,13 +292,14 @@ def main() -> None:
     parser.add_argument(
         "--batches", type=int, default=None, help="n, batches per timing (default: 2 for Gemma on CPU, else 8)"
     )
+    parser.add_argument("--repeats", type=int, default=3, help="timed blocks of n, median taken (default: 3)")
     parser.add_argument("--_measure", choices=KINDS, help=argparse.SUPPRESS)  # the CPU child process
     parser.add_argument("--model", choices=MODELS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = torch.device(args.device)
 
     if args._measure:
-        measure_cpu_child(args._measure, args.model, args.batches or default_batches(args.model, device))
+        measure_cpu_child(args._measure, args.model, args.batches or default_batches(args.model, device), args.repeats)
         return
 
     default_models = "tiny,gemma,8b" if device.type == "cuda" else "tiny,gemma"
@@ -296,7 +317,7 @@ def main() -> None:
         resolve_model_path(BUNDLED_GEMMA)  # convert once here (if not cached) rather than inside a measurement
 
     started = time.perf_counter()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     memory = "max_memory_allocated" if device.type == "cuda" else "RSS high-water mark, one fresh process each"
     print(f"device: {device} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, peaks: {memory}")
     print()
@@ -308,7 +329,11 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model in models:
         n = args.batches or default_batches(model, device)
-        results = measure_cuda(model, device, n) if device.type == "cuda" else measure_cpu(model, n)
+        results = (
+            measure_cuda(model, device, n, args.repeats)
+            if device.type == "cuda"
+            else measure_cpu(model, n, args.repeats)
+        )
         score, step, keep = results["scoring"], results["lora_step"], results["keep_all"]
         batch_size, seq_len = BATCH_SHAPES[model]
         mb = 2**20

@@ -1,0 +1,31 @@
+"""Every shipped config parses into valid SFT, LoRA and FoRA settings."""
+
+from pathlib import Path
+
+import pytest
+
+from fora_plugin.cli import parse_config
+
+
+CONFIGS = sorted((Path(__file__).parent.parent / "example_configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_config_parses(path):
+    overrides = ["--bf16", "false", "--use_cpu", "true"]  # bf16 is refused on a CPU-only host
+    script_args, training_args, model_args, fora_config = parse_config(str(path), overrides)
+    assert script_args.dataset_name and model_args.model_name_or_path
+    assert model_args.lora_target_modules and fora_config.mode in ("fora", "fg-lora", "stiefel-lora", "lora")
+
+
+def test_paper_configs_use_the_papers_settings():
+    for name in ("commonsense_llama3_8b.yaml", "alpaca_llama2_7b.yaml"):
+        _, training, model, fora = parse_config(
+            str(Path(__file__).parent.parent / "example_configs" / name), ["--bf16", "false", "--use_cpu", "true"]
+        )
+        assert (model.lora_r, model.lora_alpha) == (32, 64)
+        assert sorted(model.lora_target_modules) == sorted(["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"])
+        assert (training.learning_rate, fora.lr_stiefel, training.weight_decay) == (2e-4, 1e-3, 0.01)
+        assert (training.per_device_train_batch_size, training.gradient_accumulation_steps) == (16, 4)
+        assert (training.num_train_epochs, training.max_length) == (3, 256)
+        assert (fora.layer_budget, fora.fisher_batches, fora.qr_period) == (0.5, 128, 200)
