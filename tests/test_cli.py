@@ -83,3 +83,84 @@ def test_version_and_help(capsys):
     assert "fora-plugin" in capsys.readouterr().out
     assert main([]) == 0
     assert "train" in capsys.readouterr().out
+
+
+def test_fora_ablate_trains_evaluates_and_resumes(setup, tmp_path, capsys):
+    root, path = setup
+    config = yaml.safe_load(path.read_text())
+    commonsense = tmp_path / "commonsense" / "boolq"
+    commonsense.mkdir(parents=True)
+    examples = [
+        {
+            "instruction": f"Is {a} even?\n\nAnswer format: true/false",
+            "input": "",
+            "output": f"the correct answer is {str(a % 2 == 0).lower()}",
+            "answer": str(a % 2 == 0).lower(),
+        }
+        for a in range(6)
+    ]
+    (commonsense / "test.json").write_text(json.dumps(examples))
+    config.update(max_steps=1, output_dir=str(tmp_path / "unused"))
+    config["ablation"] = {
+        "output_dir": str(tmp_path / "grid"),
+        "runs": ["lora", "fora", "lora-half-rank"],
+        "eval": {
+            "commonsense_dir": str(tmp_path / "commonsense"),
+            "tasks": ["boolq"],
+            "max_examples": 4,
+            "max_new_tokens": 4,
+            "eval_loss_examples": 3,
+        },
+    }
+    grid_config = root / "grid.yaml"
+    grid_config.write_text(yaml.safe_dump(config))
+    assert main(["ablate", str(grid_config)]) == 0
+    table = (tmp_path / "grid" / "ablation.md").read_text()
+    for run in ("lora", "fora", "lora-half-rank"):
+        assert f"| {run} |" in table
+        result = json.loads((tmp_path / "grid" / run / "results.json").read_text())
+        assert result["accuracy"]["boolq"]["total"] == 4 and result["eval_loss"] > 0
+    fora = json.loads((tmp_path / "grid" / "fora" / "results.json").read_text())
+    lora = json.loads((tmp_path / "grid" / "lora" / "results.json").read_text())
+    half = json.loads((tmp_path / "grid" / "lora-half-rank" / "results.json").read_text())
+    assert fora["trainable_parameters"] * 2 == lora["trainable_parameters"] == half["trainable_parameters"] * 2
+    assert len(fora["adapted_layers"]) == 2 and len(lora["adapted_layers"]) == 4
+    assert (tmp_path / "grid" / "ablation.png").exists()
+    capsys.readouterr()
+    assert main(["ablate", str(grid_config)]) == 0  # resumes: nothing is trained again
+    assert capsys.readouterr().out.count("finished earlier") == 3
+
+
+def test_fora_eval_and_report_on_a_trained_adapter(setup, tmp_path, capsys):
+    root, path = setup
+    assert main(["train", str(path), "--max_steps", "1", "--output_dir", str(tmp_path / "run")]) == 0
+    text = tmp_path / "held_out.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 4)
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "eval",
+                "--base",
+                str(root / "model"),
+                "--adapter",
+                str(tmp_path / "run"),
+                "--wikitext",
+                str(text),
+                "--ppl-max-length",
+                "64",
+                "--ppl-stride",
+                "32",
+                "--output",
+                str(tmp_path / "eval"),
+            ]
+        )
+        == 0
+    )
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert results["perplexity"]["perplexity"] > 1
+    assert main(["report", str(tmp_path / "run"), "--base", str(root / "model"), "--kl-text", str(text)]) == 0
+    printed = capsys.readouterr().out
+    assert "| run | q_proj |" in printed and "KL(p_trained" in printed
+    assert (tmp_path / "run" / "spectra.png").exists() and (tmp_path / "run" / "fisher_scores.png").exists()
+    assert main(["eval", "--base", str(root / "model")]) == 2  # nothing to do: a message, not a traceback

@@ -1,0 +1,212 @@
+"""``fora ablate``: the paper's 2x2 ablation and its controls, trained and evaluated from one config.
+
+Runs (one seed): ``lora`` (all layers), ``fg-lora`` (Fisher layers), ``stiefel-lora`` (all layers, Stiefel),
+``fora``, ``lora-half-rank`` (r/2 on all layers: FoRA's parameter count), ``random-k`` (FoRA on K random layers),
+and PEFT's ``dora`` and ``rslora``. Each is trained with ``fora train``'s trainer, saved, and evaluated: trainable
+parameters, training time, held-out completion loss, commonsense accuracy, mean effective rank of ΔW, and
+KL(p_trained ‖ p_base). A run whose ``results.json`` exists is not trained again, so an interrupted ablation resumes.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+RUNS = ("lora", "fg-lora", "stiefel-lora", "fora", "lora-half-rank", "random-k", "dora", "rslora")
+
+
+def run_overrides(name: str, lora_r: int, lora_alpha: int) -> list[str]:
+    """The command-line overrides that turn the config into run ``name``."""
+    table = {
+        "lora": ["--fora_mode", "lora"],
+        "fg-lora": ["--fora_mode", "fg-lora"],
+        "stiefel-lora": ["--fora_mode", "stiefel-lora"],
+        "fora": ["--fora_mode", "fora"],
+        # Half the rank on every layer: the parameter count of FoRA's full rank on half the layers, same α/r.
+        "lora-half-rank": [
+            "--fora_mode",
+            "lora",
+            "--lora_r",
+            str(max(1, lora_r // 2)),
+            "--lora_alpha",
+            str(max(1, lora_alpha // 2)),
+        ],
+        "random-k": ["--fora_mode", "fora", "--fora_layer_strategy", "random"],
+        "dora": ["--fora_mode", "lora", "--use_dora", "true"],
+        "rslora": ["--fora_mode", "lora", "--use_rslora", "true"],
+    }
+    if name not in table:
+        raise ValueError(f"ablation run {name!r} is unknown; use some of {list(RUNS)}.")
+    return table[name]
+
+
+def _resolve(path: str, base: Path) -> str:
+    candidate = Path(path)
+    if not candidate.is_absolute() and not candidate.exists() and (base / candidate).exists():
+        return str(base / candidate)
+    return path
+
+
+def load_ablation_config(config: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the training config, the ``ablation`` block) with paths made absolute against the config's folder."""
+    path = Path(config)
+    if not path.is_file():
+        raise ValueError(f"config={config!r} is not a file.")
+    data = yaml.safe_load(path.read_text())
+    block = data.pop("ablation", None)
+    if not isinstance(block, dict):
+        raise ValueError(
+            f"{config} has no `ablation:` block: add one with `runs`, `output_dir` and `eval` "
+            "(see example_configs/ablation_gemma270m.yaml)."
+        )
+    base = path.resolve().parent
+    data["dataset_name"] = _resolve(data["dataset_name"], base)
+    evaluation = block.setdefault("eval", {})
+    for key in ("commonsense_dir", "kl_text"):
+        if evaluation.get(key):
+            evaluation[key] = _resolve(evaluation[key], base)
+    unknown = [r for r in block.get("runs", RUNS) if r not in RUNS]
+    if unknown:
+        raise ValueError(f"ablation runs {unknown} are unknown; use some of {list(RUNS)}.")
+    return data, block
+
+
+def _held_out(evaluation: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    tasks = evaluation.get("tasks", [])
+    folder = Path(evaluation.get("commonsense_dir", ""))
+    limit = evaluation.get("max_examples")
+    held_out = {}
+    for task in tasks:
+        file = folder / task / "test.json"
+        if not file.is_file():
+            raise ValueError(f"No test file for task {task!r} at {file}.")
+        held_out[task] = json.loads(file.read_text())[:limit]
+    return held_out
+
+
+def evaluate_run(trainer, evaluation: dict[str, Any], held_out: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    from .evaluation import commonsense_accuracy, completion_loss
+    from .report import kl_to_base
+
+    model, tokenizer = trainer.model, trainer.processing_class
+    result: dict[str, Any] = {}
+    loss_examples = [e for examples in held_out.values() for e in examples][: evaluation.get("eval_loss_examples", 40)]
+    if loss_examples:
+        result["eval_loss"] = completion_loss(model, tokenizer, loss_examples)
+    result["accuracy"] = {
+        task: commonsense_accuracy(
+            model,
+            tokenizer,
+            examples,
+            task,
+            max_new_tokens=evaluation.get("max_new_tokens", 16),
+            batch_size=evaluation.get("batch_size", 8),
+        )
+        for task, examples in held_out.items()
+    }
+    if evaluation.get("kl_text"):
+        text = Path(evaluation["kl_text"]).read_text()
+        result["kl_to_base"] = kl_to_base(model, tokenizer, text, max_tokens=evaluation.get("kl_max_tokens", 512))
+    return result
+
+
+def run_ablation(config: str, overrides: list[str]) -> Path:
+    """Train and evaluate every run of the config's ablation; returns the folder holding the table and plot."""
+    from .cli import build_trainer
+    from .report import adapter_report
+
+    data, block = load_ablation_config(config)
+    out = Path(block.get("output_dir", "outputs/ablation"))
+    out.mkdir(parents=True, exist_ok=True)
+    train_config = out / "train_config.yaml"
+    train_config.write_text(yaml.safe_dump(data, sort_keys=False))
+    evaluation = block["eval"]
+    held_out = _held_out(evaluation)
+    results = {}
+    for name in block.get("runs", RUNS):
+        run_dir = out / name
+        done = run_dir / "results.json"
+        if done.is_file():
+            print(f"[{name}] finished earlier: {done}")
+            results[name] = json.loads(done.read_text())
+            continue
+        print(f"\n[{name}] training")
+        args = run_overrides(name, data.get("lora_r", 16), data.get("lora_alpha", 32))
+        trainer = build_trainer(str(train_config), [*args, *overrides, "--output_dir", str(run_dir)])
+        started = time.perf_counter()
+        trainer.train()
+        train_seconds = time.perf_counter() - started
+        trainer.save_model(str(run_dir))
+        result = {
+            "run": name,
+            "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+            "train_seconds": train_seconds,
+            "train_loss": trainer.state.log_history[-1].get("train_loss"),
+            "adapted_layers": adapter_report(run_dir)["adapted_layers"],
+            "mean_effective_rank": adapter_report(run_dir)["mean_effective_rank"],
+        }
+        print(f"[{name}] evaluating")
+        result.update(evaluate_run(trainer, evaluation, held_out))
+        done.write_text(json.dumps(result, indent=2))
+        results[name] = result
+        del trainer
+        gc.collect()
+    table = ablation_table(results, list(held_out))
+    (out / "ablation.md").write_text(table + "\n")
+    plot_ablation(out / "ablation.png", results)
+    print("\n" + table)
+    print(f"\ntable: {(out / 'ablation.md').resolve()}\nplot:  {(out / 'ablation.png').resolve()}")
+    return out
+
+
+def ablation_table(results: dict[str, dict[str, Any]], tasks: list[str]) -> str:
+    head = ["run", "trainable params", "layers", "train s", "eval loss", *tasks, "mean acc", "erank", "KL"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for name, r in results.items():
+        acc = [r["accuracy"][t]["accuracy"] for t in tasks if t in r.get("accuracy", {})]
+        cells = [
+            name,
+            f"{r['trainable_parameters']:,}",
+            str(len(r["adapted_layers"])),
+            f"{r['train_seconds']:.0f}",
+            f"{r['eval_loss']:.3f}" if "eval_loss" in r else "-",
+            *[f"{100 * a:.1f}" for a in acc],
+            f"{100 * sum(acc) / len(acc):.1f}" if acc else "-",
+            f"{r['mean_effective_rank']:.2f}",
+            f"{r['kl_to_base']:.4f}" if "kl_to_base" in r else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_ablation(path: Path, results: dict[str, dict[str, Any]]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    params = [results[n]["trainable_parameters"] / 1e6 for n in names]
+    losses = [results[n].get("eval_loss", float("nan")) for n in names]
+    eranks = [results[n]["mean_effective_rank"] for n in names]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), dpi=120)
+    colors = ["#d62728" if n == "fora" else "#1f77b4" for n in names]
+    for ax, values, title in zip(
+        axes,
+        (params, losses, eranks),
+        ("trainable parameters (M)", "held-out completion loss", "mean effective rank of ΔW"),
+    ):
+        ax.bar(names, values, color=colors)
+        ax.set_title(title)
+        ax.tick_params(axis="x", rotation=45, labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,178 @@
+"""``fora report``: what a saved LoRA adapter learned, per module type, from the adapter files alone.
+
+For each module: the singular values of ΔW = scaling · B A (via the r x r factor of B's QR, never the d x d
+matrix), their entropy effective rank (Roy & Vetterli) and its ratio to r, ‖ΔW‖_F, and ‖BᵀB − I‖_F; with a base
+model, KL(p_trained ‖ p_base) on held-out text. Works on any PEFT LoRA adapter, so FoRA and its baselines compare
+side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from .diagnostics import delta_w_singular_values, effective_rank
+from .stiefel import orthogonality_error
+
+
+def load_adapter_pairs(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The adapter's config and ``{module name: (A (r, d_in), B (d_out, r))}`` from its safetensors file."""
+    adapter_dir = Path(adapter_dir)
+    config_file, weights_file = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights_file.is_file():
+        raise ValueError(
+            f"{adapter_dir} is not a PEFT adapter folder: it needs adapter_config.json and "
+            "adapter_model.safetensors (what save_pretrained / fora train write)."
+        )
+    config = json.loads(config_file.read_text())
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{adapter_dir} holds a {config.get('peft_type')} adapter; fora report reads LoRA adapters.")
+    tensors = load_file(weights_file)
+    pairs: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for key, value in tensors.items():
+        for part in ("lora_A", "lora_B"):
+            marker = f".{part}."
+            if marker in key:
+                pairs[key.split(marker)[0]][part] = value
+    return config, {name: (p["lora_A"], p["lora_B"]) for name, p in pairs.items() if len(p) == 2}
+
+
+def _scaling(config: dict[str, Any]) -> float:
+    r, alpha = config["r"], config["lora_alpha"]
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    for before, after in zip(parts, parts[1:]):
+        if before in ("layers", "h") and after.isdigit():
+            return int(after)
+    return None
+
+
+def adapter_report(adapter_dir: str | Path) -> dict[str, Any]:
+    """Per-module and per-module-type statistics of a LoRA adapter."""
+    config, pairs = load_adapter_pairs(adapter_dir)
+    scaling = _scaling(config)
+    modules = []
+    for name, (a, b) in sorted(pairs.items()):
+        sv = scaling * delta_w_singular_values(a.float(), b.float())
+        modules.append(
+            {
+                "module": name,
+                "type": name.rsplit(".", 1)[-1],
+                "layer": _layer_index(name),
+                "rank": a.shape[0],
+                "singular_values": sv.tolist(),
+                "effective_rank": effective_rank(sv),
+                "delta_w_norm": float(sv.square().sum().sqrt()),
+                "orthogonality_error": float(orthogonality_error(b.double())),
+            }
+        )
+    by_type: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for m in modules:
+        by_type[m["type"]].append(m)
+    summary = {}
+    for kind, items in sorted(by_type.items()):
+        r = items[0]["rank"]
+        spectra = torch.tensor([m["singular_values"] for m in items])  # (modules, r)
+        normalised = spectra / spectra[:, :1].clamp_min(1e-30)
+        summary[kind] = {
+            "modules": len(items),
+            "rank": r,
+            "mean_effective_rank": sum(m["effective_rank"] for m in items) / len(items),
+            "effective_rank_ratio": sum(m["effective_rank"] for m in items) / len(items) / r,
+            "mean_delta_w_norm": sum(m["delta_w_norm"] for m in items) / len(items),
+            "max_orthogonality_error": max(m["orthogonality_error"] for m in items),
+            "mean_normalised_spectrum": normalised.mean(dim=0).tolist(),
+        }
+    layers = sorted({m["layer"] for m in modules if m["layer"] is not None})
+    scores_file = Path(adapter_dir) / "fora_scores.json"
+    return {
+        "adapter": str(adapter_dir),
+        "r": config["r"],
+        "lora_alpha": config["lora_alpha"],
+        "scaling": scaling,
+        "adapted_layers": layers,
+        "modules": modules,
+        "by_type": summary,
+        "mean_effective_rank": sum(m["effective_rank"] for m in modules) / len(modules) if modules else 0.0,
+        "fora_scores": json.loads(scores_file.read_text()) if scores_file.is_file() else None,
+    }
+
+
+@torch.no_grad()
+def kl_to_base(model, tokenizer, text: str, *, max_tokens: int = 1024, window: int = 512) -> float:
+    """Mean per-token KL(p_trained ‖ p_base) of a PeftModel against its own base (adapter disabled) on ``text``."""
+    ids = tokenizer(text, return_tensors="pt").input_ids[0][:max_tokens]
+    device = next(model.parameters()).device
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, ids.numel(), window):
+        chunk = ids[start : start + window].unsqueeze(0).to(device)
+        log_trained = torch.log_softmax(model(input_ids=chunk).logits.float(), dim=-1)
+        with model.disable_adapter():
+            log_base = torch.log_softmax(model(input_ids=chunk).logits.float(), dim=-1)
+        kl = (log_trained.exp() * (log_trained - log_base)).sum(dim=-1)  # (1, T)
+        total += kl.sum().item()
+        count += kl.numel()
+    return total / count
+
+
+def plot_spectra(path: str | Path, reports: dict[str, dict[str, Any]]) -> Path:
+    """Mean normalised singular spectrum of ΔW per module type, one line per adapter (the paper's figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = sorted({k for rep in reports.values() for k in rep["by_type"]})
+    fig, axes = plt.subplots(1, len(kinds), figsize=(3.2 * len(kinds) + 1, 3.4), dpi=120, squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        for label, rep in reports.items():
+            stats = rep["by_type"].get(kind)
+            if stats:
+                spectrum = stats["mean_normalised_spectrum"]
+                ax.plot(
+                    range(1, len(spectrum) + 1),
+                    spectrum,
+                    marker=".",
+                    label=f"{label} (erank {stats['mean_effective_rank']:.1f}/{stats['rank']})",
+                )
+        ax.set_yscale("log")
+        ax.set_title(kind)
+        ax.set_xlabel("singular value index i")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("σᵢ(ΔW) / σ₁(ΔW), mean over layers")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("Singular spectrum of ΔW = BA per module type")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def markdown_summary(reports: dict[str, dict[str, Any]], kl: dict[str, float] | None = None) -> str:
+    lines = [
+        "| adapter | module | modules | layers | erank | erank / r | mean ‖ΔW‖_F | max ‖BᵀB − I‖_F |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for label, rep in reports.items():
+        layers = ",".join(map(str, rep["adapted_layers"]))
+        for kind, s in rep["by_type"].items():
+            lines.append(
+                f"| {label} | {kind} | {s['modules']} | {layers} | {s['mean_effective_rank']:.2f} | "
+                f"{s['effective_rank_ratio']:.2f} | {s['mean_delta_w_norm']:.4f} | "
+                f"{s['max_orthogonality_error']:.1e} |"
+            )
+    if kl:
+        lines += ["", "| adapter | KL(p_trained ‖ p_base) per token |", "|---|---:|"]
+        lines += [f"| {label} | {value:.5f} |" for label, value in kl.items()]
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""Adapter diagnostics against hand computations and the paper's Lemma."""
+
+import math
+
+import pytest
+import torch
+from conftest import TARGETS, tiny_llama
+from peft import LoraConfig, get_peft_model
+
+from fora_plugin import make_stiefel
+from fora_plugin.diagnostics import delta_w_singular_values, effective_rank
+from fora_plugin.report import adapter_report, kl_to_base, markdown_summary, plot_spectra
+from fora_plugin.stiefel import random_stiefel
+
+
+def test_effective_rank_matches_a_hand_computation():
+    gen = torch.Generator().manual_seed(0)
+    U, _ = torch.linalg.qr(torch.randn(12, 4, generator=gen, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(9, 4, generator=gen, dtype=torch.float64))
+    s = [4.0, 2.0, 1.0, 1.0]
+    M = U @ torch.diag(torch.tensor(s, dtype=torch.float64)) @ V.T
+    p = [x / 8.0 for x in s]
+    expected = math.exp(-sum(q * math.log(q) for q in p))  # = exp(1.2130...) ≈ 3.3636
+    assert effective_rank(torch.linalg.svdvals(M)) == pytest.approx(expected, rel=1e-12)
+    assert effective_rank(torch.tensor([5.0, 0.0, 0.0])) == pytest.approx(1.0)
+    assert effective_rank(torch.ones(6)) == pytest.approx(6.0)
+    assert effective_rank(torch.zeros(3)) == 0.0
+
+
+def test_stiefel_b_preserves_the_singular_values_of_a():  # the paper's Lemma
+    gen = torch.Generator().manual_seed(1)
+    B = random_stiefel(64, 8, generator=gen, dtype=torch.float64)
+    A = torch.randn(8, 40, generator=gen, dtype=torch.float64)
+    dense = torch.linalg.svdvals(B @ A)[:8]
+    assert torch.allclose(dense, torch.linalg.svdvals(A), atol=1e-5)
+    assert torch.allclose(delta_w_singular_values(A, B), dense, atol=1e-10)
+
+
+def test_delta_w_singular_values_of_a_general_b_match_the_dense_product():
+    gen = torch.Generator().manual_seed(2)
+    B, A = (
+        torch.randn(30, 5, generator=gen, dtype=torch.float64),
+        torch.randn(5, 20, generator=gen, dtype=torch.float64),
+    )
+    assert torch.allclose(delta_w_singular_values(A, B), torch.linalg.svdvals(B @ A)[:5], atol=1e-10)
+
+
+@pytest.fixture
+def saved_adapter(tmp_path):
+    model = get_peft_model(
+        tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, layers_to_transform=[1, 2])
+    )
+    make_stiefel(model, init_a="gaussian", generator=torch.Generator().manual_seed(0))
+    model.save_pretrained(tmp_path / "adapter")
+    return tmp_path / "adapter", model
+
+
+def test_adapter_report_reads_spectra_ranks_norms_and_orthogonality(saved_adapter, tmp_path):
+    adapter_dir, model = saved_adapter
+    report = adapter_report(adapter_dir)
+    assert report["adapted_layers"] == [1, 2] and set(report["by_type"]) == set(TARGETS)
+    q = next(m for m in report["modules"] if m["module"].endswith("layers.1.self_attn.q_proj"))
+    layer = model.base_model.model.model.layers[1].self_attn.q_proj
+    dense = 2.0 * layer.lora_B["default"].weight @ layer.lora_A["default"].weight  # scaling = alpha / r = 2
+    expected = torch.linalg.svdvals(dense.double())[:4]
+    assert torch.allclose(torch.tensor(q["singular_values"], dtype=torch.float64), expected, atol=1e-5)
+    assert q["delta_w_norm"] == pytest.approx(torch.linalg.norm(dense).item(), rel=1e-5)
+    assert q["orthogonality_error"] < 1e-6
+    assert 1.0 < report["by_type"]["q_proj"]["mean_effective_rank"] <= 4.0
+    png = plot_spectra(tmp_path / "spectra.png", {"fora": report})
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "| fora | q_proj | 2 | 1,2 |" in markdown_summary({"fora": report})
+
+
+def test_kl_to_base_is_zero_at_initialisation_and_positive_after_a_change():
+    from conftest import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    model = get_peft_model(tiny_llama(vocab_size=99), LoraConfig(r=4, target_modules=TARGETS))
+    make_stiefel(model)  # A = 0: the adapted model is the base model
+    assert kl_to_base(model, tokenizer, "hello world, hello fora") == pytest.approx(0.0, abs=1e-7)
+    make_stiefel(model, init_a="gaussian", generator=torch.Generator().manual_seed(3))
+    assert kl_to_base(model, tokenizer, "hello world, hello fora") > 1e-6
+
+
+def test_a_non_adapter_folder_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"is not a PEFT adapter folder"):
+        adapter_report(tmp_path)
