@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -41,6 +42,17 @@ ANSWER_PATTERNS = {
 }
 
 
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module):
+    """Evaluate without dropout, then give the model back in the mode it came in."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def extract_answer(task: str, text: str) -> str:
     """The first answer word of ``task``'s kind in a generated ``text``; ``""`` when there is none (a miss)."""
     if task not in ANSWER_PATTERNS:
@@ -65,25 +77,23 @@ def generate(
     desc: str = "generating",
 ) -> list[str]:
     """Greedy continuations of ``prompts`` (only the new text), batched with left padding."""
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # decoder-only: pad where generation does not go
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     outputs: list[str] = []
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # decoder-only: pad where generation does not go
     try:
-        for start in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=not progress):
-            batch = tokenizer(list(prompts[start : start + batch_size]), return_tensors="pt", padding=True)
-            batch = {k: v.to(device) for k, v in batch.items()}
-            generated = model.generate(
-                **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
-            )
-            new_tokens = generated[:, batch["input_ids"].shape[1] :]
-            outputs.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
+        with _eval_mode(model):
+            for start in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=not progress):
+                batch = tokenizer(list(prompts[start : start + batch_size]), return_tensors="pt", padding=True)
+                batch = {k: v.to(device) for k, v in batch.items()}
+                generated = model.generate(
+                    **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+                )
+                new_tokens = generated[:, batch["input_ids"].shape[1] :]
+                outputs.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
     finally:
         tokenizer.padding_side = side
-        model.train(was_training)
     return outputs
 
 
@@ -143,11 +153,9 @@ def perplexity(
     if ids.numel() < 2:
         raise ValueError("perplexity needs a text of at least 2 tokens.")
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     nll_sum, counted, previous_end = 0.0, 0, 0
     starts = range(0, ids.numel(), stride)
-    try:
+    with _eval_mode(model):
         for start in tqdm(starts, desc="perplexity", disable=not progress):
             end = min(start + max_length, ids.numel())
             window = ids[start:end].unsqueeze(0).to(device)
@@ -163,8 +171,6 @@ def perplexity(
             previous_end = end
             if end == ids.numel():
                 break
-    finally:
-        model.train(was_training)
     mean_nll = nll_sum / counted
     return {"perplexity": math.exp(mean_nll), "mean_nll": mean_nll, "tokens": counted}
 
@@ -235,10 +241,8 @@ def completion_loss(
 ) -> float:
     """Mean per-token NLL of held-out completions (``output``) after their Alpaca prompts (``instruction``)."""
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     total, count = 0.0, 0
-    try:
+    with _eval_mode(model):
         for example in tqdm(examples, desc="eval loss", disable=not progress):
             prompt = tokenizer(commonsense_prompt(example["instruction"])).input_ids
             completion = tokenizer(example["output"] + (tokenizer.eos_token or ""), add_special_tokens=False).input_ids
@@ -246,6 +250,4 @@ def completion_loss(
             logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # predictions of the completion
             total += nn.functional.cross_entropy(logits, ids[0, len(prompt) :], reduction="sum").item()
             count += len(completion)
-    finally:
-        model.train(was_training)
     return total / count

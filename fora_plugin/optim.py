@@ -376,7 +376,9 @@ def build_fora_optimizer(
         groups.append({"params": no_decay, "weight_decay": 0.0})
     stiefel = [p for _, p in trainable if id(p) in stiefel_ids]
     if stiefel:
-        groups.append({"params": stiefel, "stiefel": True})
+        # Cayley-Adam has no weight decay (the norm is fixed on the manifold); the key is there because trainers
+        # read it from every group (Axolotl's resume restores it group by group).
+        groups.append({"params": stiefel, "stiefel": True, "weight_decay": 0.0})
     adamw_defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **adamw_kwargs)
     stiefel_defaults = dict(
         lr=lr_stiefel,

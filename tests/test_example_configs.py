@@ -3,11 +3,14 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
+from fora_plugin.ablate import RUNS, load_ablation_config
 from fora_plugin.cli import parse_config
 
 
-CONFIGS = sorted((Path(__file__).parent.parent / "example_configs").glob("*.yaml"))
+EXAMPLES = Path(__file__).parent.parent / "example_configs"
+CONFIGS = sorted(p for p in EXAMPLES.glob("*.yaml") if "ablation" not in yaml.safe_load(p.read_text()))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -29,3 +32,15 @@ def test_paper_configs_use_the_papers_settings():
         assert (training.per_device_train_batch_size, training.gradient_accumulation_steps) == (16, 4)
         assert (training.num_train_epochs, training.max_length) == (3, 256)
         assert (fora.layer_budget, fora.fisher_batches, fora.qr_period) == (0.5, 128, 200)
+
+
+def test_ablation_config_trains_the_whole_grid_on_bundled_data(tmp_path):
+    training, block = load_ablation_config(str(EXAMPLES / "ablation_gemma270m.yaml"))
+    assert block["runs"] == list(RUNS)
+    assert Path(training["dataset_name"]).is_file() and Path(block["eval"]["kl_text"]).is_file()
+    for task in block["eval"]["tasks"]:
+        assert (Path(block["eval"]["commonsense_dir"]) / task / "test.json").is_file()
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(training))
+    *_, fora = parse_config(str(path), ["--bf16", "false", "--use_cpu", "true"])
+    assert fora.layer_budget == 0.5

@@ -1,0 +1,135 @@
+"""FoRA as an Axolotl plugin: ``plugins: [fora_plugin.axolotl.FoRAPlugin]`` plus ``fora_*`` keys.
+
+Axolotl loads the model, wraps it with LoRA on every layer the YAML targets and builds its trainer as usual. Then,
+in ``post_trainer_create`` (the trainer's dataloader and loss exist, its optimizer does not yet):
+
+1. the base model (adapters disabled) is scored through the trainer's own train batches and ``compute_loss``: the
+   data, masks, packing and loss that training will use;
+2. the adapter is taken off and put back under the same name, with the same LoraConfig object, on the chosen layers
+   only, and its ``lora_B`` made Stiefel;
+3. the trainer gets FoRA's optimizer, FoRA's log entries and the callback that saves the selection in checkpoints.
+
+Every step is a function that ``FoRASFTTrainer`` calls too (:mod:`fora_plugin.wiring`, :mod:`fora_plugin.trainer`),
+so both give the same layers, adapters, optimizer, logs and ``fora_scores.json``/``.png``.
+"""
+
+import functools
+
+import torch
+from axolotl.integrations.base import BasePlugin
+from axolotl.utils.dict import DictDefault
+from axolotl.utils.logging import get_logger
+from axolotl.utils.train import determine_last_checkpoint
+from peft import PeftModel
+from transformers import Trainer
+
+from ..config import PREFIX, FoRAConfig
+from ..models import resolve_model_path
+from ..trainer import fora_optimizer, score_on_trainer
+from ..wiring import (
+    FoRALogs,
+    SaveSelectionCallback,
+    choose_layers,
+    init_fora_adapters,
+    restrict_lora_config,
+    write_selection,
+)
+from .args import LORA_KERNELS, PLUGIN_NAME, FoRAArgs, fora_config_from, fora_enabled
+
+
+__all__ = ["PLUGIN_NAME", "FoRAArgs", "FoRAPlugin"]
+
+LOG = get_logger(__name__)
+
+
+class FoRAPlugin(BasePlugin):
+    """Fisher-selected layers and Stiefel ``lora_B`` for an Axolotl LoRA run.
+
+    Every hook first checks that the YAML lists the plugin: an installed plugin is registered by its entry point
+    for every Axolotl run, and a plugin registered for one config stays registered in the process.
+    """
+
+    def get_input_args(self) -> str:
+        return f"{FoRAArgs.__module__}.{FoRAArgs.__name__}"
+
+    def register(self, cfg: DictDefault) -> None:
+        if not fora_enabled(cfg):
+            keys = sorted(key for key in cfg if key.startswith(PREFIX))
+            if keys:
+                LOG.warning(f"{keys} are set but `plugins` does not list {PLUGIN_NAME}: FoRA is off for this run.")
+            return
+        # register sees the config before Axolotl reads anything from it: the only point where a model that
+        # needs a conversion (the bundled Gemma GGUF, a .gguf path) can become a folder for the tokenizer, the
+        # model config and the model alike.
+        for key in ("base_model", "base_model_config", "tokenizer_config"):
+            if isinstance(cfg.get(key), str):
+                cfg[key] = resolve_model_path(cfg[key])
+        if cfg.get(f"{PREFIX}mode") != "lora":
+            for kernel in LORA_KERNELS:
+                if cfg.get(kernel) is None:  # else Axolotl turns them on, and they drop the base-weight gradients
+                    cfg[kernel] = False
+
+    def post_trainer_create(self, cfg: DictDefault, trainer: Trainer) -> None:
+        if not fora_enabled(cfg):
+            return
+        fora = fora_config_from(cfg)
+        if fora.mode == "lora":
+            return
+        model = trainer.model
+        if not isinstance(model, PeftModel):
+            raise TypeError(
+                f"FoRA expected Axolotl's trainer to hold the LoRA PeftModel (adapter: lora), but it holds a "
+                f"{type(model).__name__}."
+            )
+        if len(model.active_adapters) != 1:
+            raise ValueError(f"FoRA trains one LoRA adapter; the model has active adapters {model.active_adapters}.")
+        adapter = model.active_adapters[0]
+        config = model.peft_config[adapter]
+        seed = fora.seed if fora.seed is not None else trainer.args.seed
+
+        base = model.get_base_model()
+        selection = choose_layers(
+            base,
+            fora,
+            seed=seed,
+            checkpoint=determine_last_checkpoint(cfg),  # what Axolotl resumes from: its selection is reused
+            score=lambda: score_on_trainer(trainer, model, fora, config),  # adapters disabled: the base is scored
+        )
+        # The adapter comes off (weights and wrappers), and goes back on the chosen layers only.
+        model.delete_adapter(adapter)
+        model.unload()
+        # In place: Axolotl holds this same LoraConfig and pre-saves it to output_dir.
+        restrict_lora_config(config, base, selection)
+        torch.manual_seed(seed)
+        autocast = cfg.peft_autocast_adapter_dtype if cfg.peft_autocast_adapter_dtype is not None else True
+        model.add_adapter(adapter, config, autocast_adapter_dtype=autocast)
+        model.set_adapter(adapter)
+        init_fora_adapters(model, selection, fora, seed)
+
+        if trainer.is_world_process_zero():
+            write_selection(selection, trainer.args.output_dir)
+        trainer.add_callback(SaveSelectionCallback(selection))
+        _use_fora_optimizer(trainer, fora)
+        _add_fora_logs(trainer, FoRALogs(selection))
+
+
+def _use_fora_optimizer(trainer: Trainer, fora: FoRAConfig) -> None:
+    # An optimizer factory is how transformers and Axolotl take an optimizer that needs the whole model (as Muon
+    # does): Axolotl calls factory()(model, training_args), transformers factory()(model).
+    def factory():
+        return lambda model, *_: fora_optimizer(trainer, model, fora)
+
+    trainer.optimizer_cls_and_kwargs = (factory, {})
+
+
+def _add_fora_logs(trainer: Trainer, fora_logs: FoRALogs) -> None:
+    # FoRASFTTrainer.log does the same; a TrainerCallback's on_log comes after the log is recorded and reported.
+    log = trainer.log
+
+    @functools.wraps(log)
+    def log_with_fora(logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:
+            logs.update(fora_logs(trainer.model, trainer.optimizer))
+        return log(logs, start_time)
+
+    trainer.log = log_with_fora

@@ -1,0 +1,159 @@
+"""The ``fora_*`` keys of an Axolotl YAML: `FoRAConfig`'s fields with a ``fora_`` prefix, checked by `FoRAConfig`.
+
+`FoRAArgs` joins Axolotl's config schema (``get_input_args``). Its validator builds a `FoRAConfig`, so the values are
+checked by the same code as ``FoRASFTTrainer``'s, and, when the YAML enables the plugin, refuses the Axolotl settings
+FoRA cannot be right with yet.
+"""
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from axolotl.integrations.base import normalize_plugin_name
+from pydantic import BaseModel, Field, create_model, model_validator
+
+from ..config import PREFIX, FoRAConfig
+from ..trainer import ADAMW_OPTIMS
+
+
+PLUGIN_NAME = "fora_plugin.axolotl.FoRAPlugin"
+# Axolotl's fused LoRA kernels return no gradient for the frozen base weights, which the Fisher score is made of.
+LORA_KERNELS = ("lora_qkv_kernel", "lora_o_kernel", "lora_mlp_kernel")
+_FIELDS = [f.name for f in dataclasses.fields(FoRAConfig)]
+# FoRAConfig's messages name its fields ("layer_budget=2.0 is ..."); in a YAML they are the fora_ keys.
+_FIELD_NAMES = re.compile(rf"(?<![\w.])({'|'.join(_FIELDS)})\b")
+
+
+def fora_enabled(cfg: Mapping[str, Any]) -> bool:
+    """Whether ``plugins`` lists FoRA, as ``fora_plugin.axolotl.FoRAPlugin`` or ``fora_plugin.axolotl:FoRAPlugin``."""
+    return PLUGIN_NAME in {normalize_plugin_name(name) for name in cfg.get("plugins") or []}
+
+
+def fora_config_from(cfg: Mapping[str, Any]) -> FoRAConfig:
+    """The `FoRAConfig` of a config's ``fora_*`` keys (unset keys take FoRAConfig's defaults)."""
+    values = {name: cfg[PREFIX + name] for name in _FIELDS if cfg.get(PREFIX + name) is not None}
+    try:
+        return FoRAConfig(**values)
+    except ValueError as err:
+        raise ValueError(_FIELD_NAMES.sub(rf"{PREFIX}\1", str(err))) from None
+
+
+class _FoRAChecks(BaseModel):
+    @model_validator(mode="after")
+    def _check_fora(self):
+        cfg = dict(self)
+        fora = fora_config_from(cfg)
+        if fora_enabled(cfg) and fora.mode != "lora":
+            _check_axolotl_settings(cfg, fora)
+        return self
+
+
+def _check_axolotl_settings(cfg: dict[str, Any], fora: FoRAConfig) -> None:
+    adapter = cfg.get("adapter")
+    if adapter != "lora":
+        raise ValueError(
+            f"adapter={adapter!r} cannot be combined with fora_mode={fora.mode!r}: FoRA trains LoRA adapters on the "
+            "layers it chooses. Set adapter: lora (QLoRA, adapter: qlora, is not supported by the FoRA plugin yet), "
+            "or fora_mode: lora for Axolotl's own training."
+        )
+    kernels = [name for name in LORA_KERNELS if cfg.get(name)]
+    if kernels:
+        raise ValueError(
+            f"{', '.join(f'{name}=True' for name in kernels)} cannot be combined with FoRA: Axolotl's fused LoRA "
+            "kernels compute no gradient for the base weights, which FoRA's Fisher score sums. Set them to false "
+            "(the plugin turns them off when they are unset)."
+        )
+    layers = {k: cfg.get(k) for k in ("peft_layers_to_transform", "peft_layers_pattern") if cfg.get(k) is not None}
+    if layers:
+        raise ValueError(
+            f"{', '.join(f'{k}={v!r}' for k, v in layers.items())} is set, but FoRA chooses the layers: remove it, "
+            "and use fora_layers: [...] for a fixed set."
+        )
+    if fora.uses_stiefel and cfg.get("peft_use_dora"):
+        raise ValueError(
+            f"peft_use_dora=True cannot be combined with fora_mode={fora.mode!r}: DoRA's magnitude rescales "
+            "lora_B's columns, which must stay orthonormal. Set peft_use_dora: false, or fora_mode: fg-lora."
+        )
+    if cfg.get("lora_model_dir"):
+        raise ValueError(
+            f"lora_model_dir={cfg['lora_model_dir']!r} loads a trained adapter, but FoRA builds its adapter on the "
+            "layers it chooses. To continue a FoRA run, resume from its checkpoint (resume_from_checkpoint or "
+            "auto_resume_from_checkpoints); to train on top of an adapter, merge it into the base model first."
+        )
+    if cfg.get("rl") or cfg.get("relora"):
+        raise ValueError(
+            f"rl={cfg.get('rl')!r} / relora={cfg.get('relora')!r}: the FoRA plugin supports supervised fine-tuning "
+            "only for now. Remove rl/relora, or use fora_mode: lora."
+        )
+    optimizer = getattr(cfg.get("optimizer"), "value", cfg.get("optimizer"))
+    if optimizer not in ADAMW_OPTIMS:
+        raise ValueError(
+            f"optimizer={optimizer!r} cannot be combined with FoRA, whose optimizer is AdamW on lora_A plus "
+            f"Cayley-Adam on lora_B: use optimizer in {ADAMW_OPTIMS}."
+        )
+    regrouped = {k: cfg.get(k) for k in ("loraplus_lr_ratio", "lr_groups", "embedding_lr", "embedding_lr_scale")}
+    regrouped = {k: v for k, v in regrouped.items() if v is not None}
+    if regrouped:
+        raise ValueError(
+            f"{', '.join(f'{k}={v!r}' for k, v in regrouped.items())}: these regroup the optimizer's parameters, "
+            "and FoRA's optimizer has its own groups (lora_A at learning_rate, lora_B at fora_lr_stiefel). "
+            "Remove them."
+        )
+    if cfg.get("fsdp_config"):
+        raise ValueError(
+            "fsdp_config is set: FSDP shards lora_B, but a Cayley step needs whole lora_B matrices, so FoRA does "
+            "not support FSDP yet. Use DDP (no fsdp_config), or fora_mode: lora."
+        )
+    if cfg.get("deepspeed"):
+        _check_deepspeed(cfg["deepspeed"], fora)
+
+
+def _check_deepspeed(deepspeed: str | dict[str, Any], fora: FoRAConfig) -> None:
+    if isinstance(deepspeed, str):
+        path = Path(deepspeed)
+        if not path.is_file():
+            return  # Axolotl reports a missing file itself.
+        ds = json.loads(path.read_text())
+    else:
+        ds = deepspeed
+    zero = ds.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage == 3:
+        raise ValueError(
+            f"deepspeed={deepspeed!r} is ZeRO-3: it shards the weights, but the Fisher score needs whole base-weight "
+            "gradients and a Cayley step whole lora_B matrices, so FoRA does not support ZeRO-3 yet. Use DDP (no "
+            "deepspeed), or fora_mode: lora."
+        )
+    if stage in (1, 2) and fora.uses_stiefel:
+        raise ValueError(
+            f"deepspeed={deepspeed!r} is ZeRO-{stage}: it hands the optimizer flat 1-D partitions of each parameter "
+            f"group, but a Cayley step needs whole lora_B matrices, so fora_mode={fora.mode!r} does not support it "
+            "yet. Use DDP (no deepspeed), or fora_mode: fg-lora (no Stiefel lora_B)."
+        )
+    if "optimizer" in ds:
+        raise ValueError(
+            f"deepspeed={deepspeed!r} has an `optimizer` block, which makes DeepSpeed build its own optimizer in "
+            "place of FoRA's (AdamW + Cayley-Adam). Remove the block; learning_rate and fora_lr_stiefel set the "
+            "rates."
+        )
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    if offload != "none" and ds.get("zero_force_ds_cpu_optimizer", True):
+        raise ValueError(
+            f"deepspeed={deepspeed!r} offloads the optimizer to {offload!r}, and DeepSpeed then replaces FoRA's "
+            "optimizer by its CPU Adam (zero_force_ds_cpu_optimizer). Remove offload_optimizer."
+        )
+
+
+FoRAArgs = create_model(
+    "FoRAArgs",
+    __base__=_FoRAChecks,
+    __module__=__name__,
+    __doc__="Axolotl config keys of the FoRA plugin: `FoRAConfig`'s fields, prefixed with `fora_`.",
+    **{
+        PREFIX + f.name: (f.type, Field(default=f.default, description=f.metadata.get("help")))
+        for f in dataclasses.fields(FoRAConfig)
+    },
+)
