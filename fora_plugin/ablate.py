@@ -143,13 +143,14 @@ def run_ablation(config: str, overrides: list[str]) -> Path:
         trainer.train()
         train_seconds = time.perf_counter() - started
         trainer.save_model(str(run_dir))
+        adapter = adapter_report(run_dir)
         result = {
             "run": name,
             "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             "train_seconds": train_seconds,
             "train_loss": trainer.state.log_history[-1].get("train_loss"),
-            "adapted_layers": adapter_report(run_dir)["adapted_layers"],
-            "mean_effective_rank": adapter_report(run_dir)["mean_effective_rank"],
+            "adapted_layers": adapter["adapted_layers"],
+            "mean_effective_rank": adapter["mean_effective_rank"],
         }
         print(f"[{name}] evaluating")
         result.update(evaluate_run(trainer, evaluation, held_out))

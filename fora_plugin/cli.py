@@ -302,10 +302,7 @@ def report(args: argparse.Namespace) -> int:
         plot_fisher_scores(out / "fisher_scores.png", scores["scores"], scores["chosen_layers"], scores["num_layers"])
     summary = markdown_summary(reports, kl)
     (out / "report.md").write_text(summary + "\n")
-    payload = {
-        label: {k: v for k, v in rep.items() if k != "modules"} | {"modules": rep["modules"]}
-        for label, rep in reports.items()
-    }
+    payload = {label: dict(rep) for label, rep in reports.items()}
     if kl:
         for label, value in kl.items():
             payload[label]["kl_to_base"] = value
