@@ -15,7 +15,7 @@ which two separate optimizers would not give.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -172,26 +172,44 @@ def _init_state(state: dict[str, Any], p: torch.Tensor) -> None:
     state["skipped_steps"] = torch.zeros((), dtype=torch.int64, device=device)
 
 
-def _cayley_adam_group_step(state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any]) -> None:
+def stiefel_step_with_gradients(optimizer: CayleyAdam, grads: Mapping[torch.Tensor, torch.Tensor]) -> None:
+    """One :class:`CayleyAdam` step with ``grads[p]`` as the gradient of ``p`` in place of ``p.grad``.
+
+    For gradients kept outside ``.grad``: an fp32 gradient of a bf16 parameter (``.grad`` must have the
+    parameter's dtype), such as the all-reduced gradient of a replicated ``lora_B`` under DeepSpeed.
+    """
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            _cayley_adam_group_step(optimizer.state, group, grads)
+
+
+def _cayley_adam_group_step(
+    state: dict[torch.Tensor, dict[str, Any]],
+    group: dict[str, Any],
+    grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     group["steps"] += 1
     period = group["qr_period"]
     reproject = period > 0 and group["steps"] % period == 0
     buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for p in group["params"]:
-        if p.grad is None:
+        grad = p.grad if grads is None else grads.get(p)
+        if grad is None:
             continue
-        if p.grad.is_sparse:
+        if grad.is_sparse:
             raise TypeError("CayleyAdam does not support sparse gradients.")
         if not state[p]:
             _init_state(state[p], p)
         buckets[(tuple(p.shape), p.device, _compute_dtype(p))].append(p)
     for params in buckets.values():
-        _cayley_adam_bucket_step(state, params, group, reproject)
+        bucket_grads = [p.grad if grads is None else grads[p] for p in params]
+        _cayley_adam_bucket_step(state, params, bucket_grads, group, reproject)
 
 
 def _cayley_adam_bucket_step(
     state: dict[torch.Tensor, dict[str, Any]],
     params: list[torch.Tensor],
+    grads: list[torch.Tensor],
     group: dict[str, Any],
     reproject: bool,
 ) -> None:
@@ -207,7 +225,7 @@ def _cayley_adam_bucket_step(
     B, m = packed[..., :r], packed[..., r:]  # (n, d, r) views
     torch._foreach_copy_(list(B.unbind(0)), masters)
     torch._foreach_copy_(list(m.unbind(0)), exp_avgs)
-    G = torch.stack([p.grad for p in params]).to(dtype)  # (n, d, r)
+    G = torch.stack(grads).to(dtype)  # (n, d, r)
     v = torch.stack([s["exp_avg_sq"] for s in states])  # (n,)
     step = torch.stack([s["step"] for s in states])  # (n,)
     skipped = torch.stack([s["skipped_steps"] for s in states])  # (n,)
@@ -321,7 +339,7 @@ def _decay_parameter_names(model: nn.Module) -> set[str]:
     return set(get_parameter_names(model, [nn.LayerNorm], list(_NO_DECAY_PATTERNS)))
 
 
-def build_fora_optimizer(
+def fora_optimizer_parts(
     model: nn.Module,
     lr: float = 2e-4,
     lr_stiefel: float = 1e-3,
@@ -337,8 +355,8 @@ def build_fora_optimizer(
     stiefel_params: Collection[torch.Tensor] | None = None,
     decay_parameter_names: Collection[str] | None = None,
     **adamw_kwargs: Any,
-) -> FoRAOptimizer:
-    """The single FoRA optimizer for ``model``'s trainable parameters.
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """The param groups of FoRA's optimizer for ``model``, with the AdamW and the Cayley-Adam defaults.
 
     Groups, in order: AdamW with ``weight_decay`` (lora_A and other trainable weights), AdamW without decay
     (biases, norms), and the Stiefel group (Cayley-Adam at ``lr_stiefel``). Empty groups are left out; HF logs the
@@ -388,4 +406,10 @@ def build_fora_optimizer(
         cayley_solver=cayley_solver,
         cayley_iters=cayley_iters,
     )
+    return groups, adamw_defaults, stiefel_defaults
+
+
+def build_fora_optimizer(model: nn.Module, *args: Any, **kwargs: Any) -> FoRAOptimizer:
+    """The single FoRA optimizer for ``model``'s trainable parameters; arguments as :func:`fora_optimizer_parts`."""
+    groups, adamw_defaults, stiefel_defaults = fora_optimizer_parts(model, *args, **kwargs)
     return FoRAOptimizer(groups, adamw_defaults=adamw_defaults, stiefel_defaults=stiefel_defaults)

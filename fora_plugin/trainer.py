@@ -3,27 +3,31 @@
 :func:`score_on_trainer` and :func:`fora_optimizer` work on any ``transformers.Trainer``: FoRASFTTrainer calls them,
 and so does the Axolotl plugin on Axolotl's trainer. The steps that need no trainer are in :mod:`fora_plugin.wiring`.
 
-FoRASFTTrainer first lets SFTTrainer do all of its work without PEFT (dataset processing, completion/assistant
-masks, packing, collator, loss), then scores the layers on batches of its own train dataloader through its own
-``compute_loss``, then wraps the model with PEFT on the chosen layers only, doing what SFTTrainer does at its PEFT
-step. Overridden, and why:
+FoRASFTTrainer first lets SFTTrainer do all of its work, LoRA wrap included (dataset processing, completion/assistant
+masks, packing, collator, loss, a k-bit base's adapter dtype), then scores the base model (adapters disabled) on
+batches of its own train dataloader through its own ``compute_loss``, then moves the adapter onto the chosen layers
+only. Under DeepSpeed ZeRO-1/2 the Stiefel ``lora_B`` are stepped beside the partition (:mod:`fora_plugin.zero`).
+Overridden, and why:
 
-- ``__init__``: the selection and the PEFT wrap described above.
-- ``create_optimizer``: the single AdamW + Cayley-Adam optimizer (``build_fora_optimizer``).
+- ``__init__``: the selection and the re-adapt described above, and the DeepSpeed checks.
+- ``create_optimizer``: the single AdamW + Cayley-Adam optimizer (``build_fora_optimizer``; under DeepSpeed its
+  ZeRO client form).
 - ``log``: adds the largest ‖BᵀB − I‖ and the mean effective rank of ΔW to every log, and the selection once.
-- ``train``: refuses to resume a checkpoint trained on other layers.
+- ``train``: refuses to resume a checkpoint trained on other layers; notes the checkpoint for the Cayley state.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import os
+from collections.abc import Callable
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel
 from torch import nn
-from transformers import Trainer
-from transformers.trainer_utils import get_last_checkpoint
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from trl import SFTTrainer
 
 from .config import FoRAConfig
@@ -37,9 +41,15 @@ from .wiring import (
     SaveSelectionCallback,
     choose_layers,
     format_selection_table,
-    init_fora_adapters,
-    restrict_lora_config,
+    readapt_lora,
     write_selection,
+)
+from .zero import (
+    STIEFEL_STATE_FILE,
+    ZeroFoRAOptimizer,
+    build_zero_fora_optimizer,
+    check_deepspeed_config,
+    take_over_gradient_clipping,
 )
 
 
@@ -49,8 +59,10 @@ __all__ = [
     "SCORES_PLOT",
     "FoRASFTTrainer",
     "FoRASelection",
+    "ZeroStiefelCallback",
     "fora_optimizer",
     "format_selection_table",
+    "prepare_deepspeed",
     "score_on_trainer",
 ]
 
@@ -92,10 +104,20 @@ def score_on_trainer(
             setattr(trainer, name, value)
 
 
-def fora_optimizer(trainer: Trainer, model: nn.Module, fora: FoRAConfig) -> FoRAOptimizer:
-    """The FoRA optimizer for ``model`` under ``trainer``'s arguments (lr, weight decay, betas, eps, decay rule)."""
+def fora_optimizer(trainer: Trainer, model: nn.Module, fora: FoRAConfig) -> FoRAOptimizer | ZeroFoRAOptimizer:
+    """The FoRA optimizer for ``model`` under ``trainer``'s arguments (lr, weight decay, betas, eps, decay rule).
+
+    Under DeepSpeed (after :func:`prepare_deepspeed`) the Stiefel modes get the ZeRO client optimizer, which clips
+    with ``max_grad_norm`` itself: HF makes DeepSpeed's ``gradient_clipping`` equal to it, and
+    :func:`prepare_deepspeed` turned DeepSpeed's off.
+    """
     args = trainer.args
-    return build_fora_optimizer(
+    build = build_fora_optimizer
+    if trainer.is_deepspeed_enabled and fora.uses_stiefel:
+        build = functools.partial(
+            build_zero_fora_optimizer, max_grad_norm=args.max_grad_norm, sync_period=fora.qr_period
+        )
+    return build(
         model,
         lr=args.learning_rate,
         lr_stiefel=fora.lr_stiefel,
@@ -108,6 +130,65 @@ def fora_optimizer(trainer: Trainer, model: nn.Module, fora: FoRAConfig) -> FoRA
         decay_parameter_names=trainer.get_decay_parameter_names(model),
         fused=True if args.optim == "adamw_torch_fused" else None,
     )
+
+
+def prepare_deepspeed(trainer: Trainer, fora: FoRAConfig, resume_checkpoint: Callable[[], str | None]) -> None:
+    """Check ``trainer``'s DeepSpeed config for FoRA and set up the Stiefel ``lora_B`` beside ZeRO-1/2.
+
+    Refuses what would silently turn FoRA into something else (:func:`fora_plugin.zero.check_deepspeed_config`),
+    turns DeepSpeed's gradient clipping off (FoRA's client optimizer clips lora_A and lora_B by one norm) and adds
+    the :class:`ZeroStiefelCallback`. ``resume_checkpoint`` gives the checkpoint training resumes from, if any.
+    """
+    if not trainer.is_deepspeed_enabled:
+        return
+    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config  # HF filled its "auto" values
+    check_deepspeed_config(config, fora, name="the DeepSpeed config")
+    if fora.uses_stiefel:
+        take_over_gradient_clipping(config)
+        trainer.add_callback(ZeroStiefelCallback(trainer, resume_checkpoint))
+
+
+class ZeroStiefelCallback(TrainerCallback):
+    """Under DeepSpeed: binds FoRA's client optimizer to the engine's, and keeps its Cayley-Adam state in checkpoints.
+
+    DeepSpeed's checkpoint holds the partitioned lora_A state only; the Cayley-Adam state (moments, fp32 masters)
+    goes to ``STIEFEL_STATE_FILE`` in each checkpoint folder and comes back on resume.
+    """
+
+    def __init__(self, trainer: Trainer, resume_checkpoint: Callable[[], str | None]) -> None:
+        self.trainer = trainer
+        self.resume_checkpoint = resume_checkpoint
+
+    def _client(self) -> ZeroFoRAOptimizer:
+        engine_optimizer = self.trainer.model_wrapped.optimizer
+        client = getattr(engine_optimizer, "optimizer", None)
+        if not isinstance(client, ZeroFoRAOptimizer):
+            raise TypeError(
+                f"DeepSpeed's optimizer wraps a {type(client).__name__}, not FoRA's ZeroFoRAOptimizer: something "
+                "replaced FoRA's optimizer (a DeepSpeed `optimizer` block, or offload with "
+                "zero_force_ds_cpu_optimizer true)."
+            )
+        return client
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        client = self._client()
+        client.bind(self.trainer.model_wrapped.optimizer)
+        checkpoint = self.resume_checkpoint()
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, STIEFEL_STATE_FILE)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"Resuming from {checkpoint} under DeepSpeed, but it has no {STIEFEL_STATE_FILE} (the Cayley-Adam "
+                "state of the Stiefel lora_B): it was not saved by FoRA under DeepSpeed. Resume it without "
+                "DeepSpeed, or start a new run."
+            )
+        client.load_stiefel_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:  # the same state on every rank
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            torch.save(self._client().stiefel_state_dict(), os.path.join(folder, STIEFEL_STATE_FILE))
 
 
 class FoRASFTTrainer(SFTTrainer):
@@ -156,29 +237,26 @@ class FoRASFTTrainer(SFTTrainer):
                 "FoRASFTTrainer builds its own optimizer (AdamW for lora_A, Cayley-Adam for lora_B): "
                 "leave optimizers=(None, None) and set learning_rate / fora lr_stiefel instead."
             )
-        super().__init__(model, args, *pos, peft_config=None, **kwargs)
+        # SFTTrainer wraps every layer the LoraConfig targets, as it would for LoRA (k-bit bases included); once the
+        # layers are chosen the adapter moves onto those only. The caller's LoraConfig is left as it was.
+        super().__init__(model, args, *pos, peft_config=copy.deepcopy(peft_config), **kwargs)
         optim = getattr(self.args.optim, "value", self.args.optim)  # an OptimizerNames enum after __post_init__
         if optim not in ADAMW_OPTIMS:
             raise ValueError(
                 f"optim={optim!r} cannot be combined with FoRA, whose optimizer is AdamW on "
                 f"lora_A plus Cayley-Adam on lora_B: use optim in {ADAMW_OPTIMS}."
             )
-        plugin = self.args.deepspeed_plugin
-        if plugin is not None and (fora_config.uses_stiefel or plugin.zero_stage == 3):
-            raise ValueError(
-                f"DeepSpeed ZeRO-{plugin.zero_stage} with mode={fora_config.mode!r} is not supported yet: ZeRO hands "
-                "the optimizer flat 1-D slices, so a Cayley step never sees a whole lora_B. Train without "
-                "DeepSpeed (plain DDP: accelerate launch), or use mode='fg-lora' with ZeRO-1/2."
-            )
+        self._fora_resume: str | None = None
+        prepare_deepspeed(self, fora_config, lambda: self._fora_resume)
         self._fora_seed = fora_config.seed if fora_config.seed is not None else self.args.seed
         selection = choose_layers(
-            self.model,
+            self.model.get_base_model(),
             fora_config,
             seed=self._fora_seed,
             checkpoint=_resolve_checkpoint(self.args.resume_from_checkpoint, self.args.output_dir),
             score=lambda: self.fora_score(peft_config),
         )
-        self._fora_wrap(peft_config, selection)
+        readapt_lora(self.model, selection, fora_config, self._fora_seed)
         self.fora_selection = selection
         self._fora_logs = FoRALogs(selection)
         self.add_callback(SaveSelectionCallback(selection))
@@ -186,24 +264,8 @@ class FoRASFTTrainer(SFTTrainer):
             write_selection(selection, self.args.output_dir)
 
     def fora_score(self, peft_config: LoraConfig | None = None) -> FisherScores:
-        """Fisher scores of the (still unwrapped) model on the trainer's own batches and loss."""
+        """Fisher scores of the base model (LoRA adapters disabled) on the trainer's own batches and loss."""
         return score_on_trainer(self, self.model, self.fora_config, peft_config)
-
-    def _fora_wrap(self, peft_config: LoraConfig, selection: FoRASelection) -> None:
-        base = self.model
-        config = copy.deepcopy(peft_config)
-        restrict_lora_config(config, base, selection)
-        torch.manual_seed(self._fora_seed)
-        model = get_peft_model(base, config)
-        if self.args.gradient_checkpointing:
-            model.enable_input_require_grads()  # as SFTTrainer does for PEFT + checkpointing
-        if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False):
-            for name, param in model.named_parameters():  # SFTTrainer's QLoRA adapter dtype
-                if param.requires_grad and "lora_magnitude_vector" not in name:
-                    param.data = param.data.to(torch.bfloat16)
-        init_fora_adapters(model, selection, self.fora_config, self._fora_seed)
-        self.model = self.model_wrapped = model
-        self.callback_handler.model = model
 
     def create_optimizer(self, model=None):
         if self.fora_config.mode == "lora":
@@ -219,6 +281,7 @@ class FoRASFTTrainer(SFTTrainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         checkpoint = _resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        self._fora_resume = checkpoint
         if checkpoint is not None and self.fora_selection is not None and self.fora_config.selects_layers:
             saved = FoRASelection.read(checkpoint)
             if saved["chosen_layers"] != self.fora_selection.chosen:

@@ -2,8 +2,9 @@
 
 1. :func:`choose_layers`: the K decoder layers to adapt (Fisher scores from a caller-given scorer, explicit indices,
    a control strategy, saved scores, or the selection saved with the checkpoint being resumed).
-2. :func:`restrict_lora_config`: the LoraConfig pointed at exactly the target linears of those layers.
-3. :func:`init_fora_adapters`: Stiefel ``lora_B`` for the modes that use it, and the per-layer parameter counts.
+2. :func:`readapt_lora`: the trainer's LoRA adapter moved onto those layers (:func:`restrict_lora_config` points
+   the LoraConfig at exactly their target linears), then :func:`init_fora_adapters`: Stiefel ``lora_B`` for the
+   modes that use it, and the per-layer parameter counts.
 4. :func:`write_selection`: ``fora_scores.json``, ``fora_scores.png`` and the printed table;
    :class:`SaveSelectionCallback` puts the json in every checkpoint, so a resume adapts the same layers.
 5. :class:`FoRALogs`: what FoRA adds to every training log.
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig
+from peft import LoraConfig, PeftModel
 from peft.tuners.tuners_utils import check_target_module_exists
 from torch import nn
 from transformers import TrainerCallback
@@ -187,6 +188,36 @@ def init_fora_adapters(model: nn.Module, selection: FoRASelection, fora: FoRACon
                 selection.trainable_parameters[index] += param.numel()
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("After the FoRA wrap nothing is trainable: check target_modules and the chosen layers.")
+
+
+def readapt_lora(
+    model: PeftModel, selection: FoRASelection, fora: FoRAConfig, seed: int, *, autocast_adapter_dtype: bool = True
+) -> None:
+    """Move ``model``'s LoRA adapter onto the chosen layers only, then :func:`init_fora_adapters`.
+
+    The trainer (SFTTrainer, Axolotl's) wrapped every layer the LoraConfig targets. The adapter comes off (weights
+    and wrappers) and goes back under the same name with the same LoraConfig object, restricted in place (a trainer
+    may hold that object and save it), on the same PeftModel; the adapter weights get the dtype the trainer gave
+    them (bf16 on a k-bit base).
+    """
+    if len(model.active_adapters) != 1:
+        raise ValueError(f"FoRA trains one LoRA adapter; the model has active adapters {model.active_adapters}.")
+    adapter = model.active_adapters[0]
+    config = model.peft_config[adapter]
+    dtypes = {p.dtype for n, p in model.named_parameters() if "lora_" in n and p.requires_grad}
+    base = model.get_base_model()
+    model.delete_adapter(adapter)
+    model.unload()
+    restrict_lora_config(config, base, selection)
+    torch.manual_seed(seed)
+    model.add_adapter(adapter, config, autocast_adapter_dtype=autocast_adapter_dtype)
+    model.set_adapter(adapter)
+    if len(dtypes) == 1:
+        (dtype,) = dtypes
+        for name, param in model.named_parameters():
+            if "lora_" in name and param.requires_grad:
+                param.data = param.data.to(dtype)
+    init_fora_adapters(model, selection, fora, seed)
 
 
 def _layer_index(name: str, prefix: str) -> int | None:

@@ -15,7 +15,6 @@ so both give the same layers, adapters, optimizer, logs and ``fora_scores.json``
 
 import functools
 
-import torch
 from axolotl.integrations.base import BasePlugin
 from axolotl.utils.dict import DictDefault
 from axolotl.utils.logging import get_logger
@@ -30,8 +29,7 @@ from ..wiring import (
     FoRALogs,
     SaveSelectionCallback,
     choose_layers,
-    init_fora_adapters,
-    restrict_lora_config,
+    readapt_lora,
     write_selection,
 )
 from .args import LORA_KERNELS, PLUGIN_NAME, FoRAArgs, fora_config_from, fora_enabled
@@ -83,28 +81,17 @@ class FoRAPlugin(BasePlugin):
             )
         if len(model.active_adapters) != 1:
             raise ValueError(f"FoRA trains one LoRA adapter; the model has active adapters {model.active_adapters}.")
-        adapter = model.active_adapters[0]
-        config = model.peft_config[adapter]
+        config = model.peft_config[model.active_adapters[0]]
         seed = fora.seed if fora.seed is not None else trainer.args.seed
-
-        base = model.get_base_model()
         selection = choose_layers(
-            base,
+            model.get_base_model(),
             fora,
             seed=seed,
             checkpoint=determine_last_checkpoint(cfg),  # what Axolotl resumes from: its selection is reused
             score=lambda: score_on_trainer(trainer, model, fora, config),  # adapters disabled: the base is scored
         )
-        # The adapter comes off (weights and wrappers), and goes back on the chosen layers only.
-        model.delete_adapter(adapter)
-        model.unload()
-        # In place: Axolotl holds this same LoraConfig and pre-saves it to output_dir.
-        restrict_lora_config(config, base, selection)
-        torch.manual_seed(seed)
         autocast = cfg.peft_autocast_adapter_dtype if cfg.peft_autocast_adapter_dtype is not None else True
-        model.add_adapter(adapter, config, autocast_adapter_dtype=autocast)
-        model.set_adapter(adapter)
-        init_fora_adapters(model, selection, fora, seed)
+        readapt_lora(model, selection, fora, seed, autocast_adapter_dtype=autocast)
 
         if trainer.is_world_process_zero():
             write_selection(selection, trainer.args.output_dir)

@@ -1,0 +1,317 @@
+"""FoRA under DeepSpeed ZeRO-1/2: two CPU ranks over gloo against a single-process run of the same global batches."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TARGETS, tiny_llama
+from peft import LoraConfig, get_peft_model
+
+from fora_plugin import FoRAConfig, make_stiefel
+from fora_plugin.optim import CayleyAdam
+from fora_plugin.stiefel import orthogonality_error
+from fora_plugin.zero import (
+    ZeroFoRAOptimizer,
+    build_zero_fora_optimizer,
+    check_deepspeed_config,
+    load_deepspeed_config,
+    take_over_gradient_clipping,
+)
+
+
+sys.path.insert(0, str(Path(__file__).parent / "distributed"))
+import zero_engine  # noqa: E402
+
+
+HERE = Path(__file__).parent
+
+
+def free_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def torchrun(script: Path, *args: str, timeout: int = 1200) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node 2`` on DeepSpeed's CPU accelerator (gloo). The first run JIT-builds DeepSpeed's
+    shared-memory op (minutes); later runs reuse ~/.cache/torch_extensions."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
+    result = subprocess.run(
+        [*command, str(script), *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=HERE.parent
+    )
+    if result.returncode != 0:
+        output = result.stdout[-4000:] + result.stderr[-8000:]
+        pytest.fail(f"torchrun {script.name} failed (rc={result.returncode}):\n{output}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("zero")
+    torchrun(HERE / "distributed" / "zero_engine.py", str(out))
+    return {
+        variant: [torch.load(out / f"{variant}-rank{rank}.pt") for rank in range(zero_engine.WORLD)]
+        for variant in zero_engine.VARIANTS
+    }
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    return zero_engine.train_single_process()
+
+
+@pytest.fixture(scope="module")
+def tolerance(single_process):
+    """5x the float noise of the single-process run itself: the same run with its micro-batch gradients summed in
+    another order (all-reduce and ZeRO's buckets change the order, and Adam's normalisation magnifies the
+    rounding of near-zero gradient entries)."""
+    reference, _ = single_process
+    original = zero_engine.micro_batch
+    try:
+        zero_engine.micro_batch = lambda b, r, m: original(b, zero_engine.WORLD - 1 - r, zero_engine.GAS - 1 - m)
+        reordered, _ = zero_engine.train_single_process()
+    finally:
+        zero_engine.micro_batch = original
+    noise = max((reference[k] - reordered[k]).abs().max().item() for k in reference)
+    return 5 * max(noise, 1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(zero_engine.VARIANTS))
+def test_replicas_are_identical_and_lora_b_orthonormal(engine_runs, variant):
+    rank0, rank1 = engine_runs[variant]
+    for name in rank0["lora"]:
+        assert torch.equal(rank0["lora"][name], rank1["lora"][name]), name
+    for m0, m1 in zip(rank0["masters"], rank1["masters"]):
+        assert torch.equal(m0, m1)
+        assert orthogonality_error(m0) < 1e-4
+    assert rank0["dtype"] == ("torch.bfloat16" if variant.endswith("bf16") else "torch.float32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(zero_engine.VARIANTS))
+def test_loss_falls(engine_runs, variant):
+    losses = engine_runs[variant][0]["losses"]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.02, losses
+
+
+@pytest.mark.slow
+def test_lora_b_stays_out_of_the_zero_partition(engine_runs):
+    run = engine_runs["zero2"][0]
+    lora_a = sum(t.numel() for name, t in run["lora"].items() if "lora_A" in name)
+    lora_b = sum(t.numel() for name, t in run["lora"].items() if "lora_B" in name)
+    assert run["partitioned"] == lora_a and run["stiefel_numel"] == lora_b
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["zero1", "zero2", "zero2_offload"])
+def test_matches_single_process_run_of_the_same_global_batches(engine_runs, single_process, tolerance, variant):
+    reference, reference_losses = single_process
+    run = engine_runs[variant][0]
+    assert run["losses"] == pytest.approx(reference_losses, rel=1e-5)
+    # Every step was clipped (one norm over lora_A and lora_B), so the match covers the clipping as well.
+    assert min(run["grad_norms"]) > zero_engine.MAX_GRAD_NORM
+    for name, tensor in reference.items():
+        assert (run["lora"][name] - tensor).abs().max().item() < tolerance, name
+
+
+@pytest.mark.slow
+def test_tolerance_separates_a_wrong_clipping(single_process, tolerance, monkeypatch):
+    # Clipping lora_A and lora_B by separate norms (what DeepSpeed's own clipping would give) lands far outside.
+    reference, _ = single_process
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def clip_separately(params, max_norm):
+        params = list(params)
+        clip([p for p in params if p.requires_grad and p.ndim == 2 and p.shape[0] < p.shape[1]], max_norm)
+        return clip([p for p in params if p.requires_grad and p.ndim == 2 and p.shape[0] >= p.shape[1]], max_norm)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_separately)
+    wrong, _ = zero_engine.train_single_process()
+    assert max((reference[k] - wrong[k]).abs().max().item() for k in reference) > 10 * tolerance
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("zero_trainer")
+    torchrun(HERE / "distributed" / "zero_trainer.py", str(out))
+    runs = {run: [torch.load(out / f"{run}-rank{rank}.pt") for rank in range(2)] for run in ("full", "resumed")}
+    return out, runs
+
+
+@pytest.mark.slow
+def test_fora_sft_trainer_under_hf_deepspeed_integration(trainer_runs):
+    out, runs = trainer_runs
+    rank0, rank1 = runs["full"]
+    assert rank0["client"] == "ZeroFoRAOptimizer"
+    # DeepSpeed's clipping is off; FoRA's optimizer clips lora_A and lora_B by one norm at max_grad_norm.
+    assert rank0["engine_gradient_clipping"] == 0.0 and rank0["client_max_grad_norm"] == 0.5
+    assert rank0["client_steps"] == 6
+    assert len(rank0["chosen"]) == 2
+    for name in rank0["lora"]:
+        assert torch.equal(rank0["lora"][name], rank1["lora"][name]), name
+    assert {n.split(".layers.")[1].split(".")[0] for n in rank0["lora"]} == {str(i) for i in rank0["chosen"]}
+    assert max(orthogonality_error(m).item() for m in rank0["masters"]) < 1e-4
+    assert rank0["losses"][-1] < rank0["losses"][0]
+    assert (out / "full" / "out" / "checkpoint-3" / "fora_stiefel_optimizer.pt").is_file()
+
+
+@pytest.mark.slow
+def test_resume_under_deepspeed_restores_the_cayley_state(trainer_runs):
+    _, runs = trainer_runs
+    full, resumed = runs["full"][0], runs["resumed"][0]
+    assert resumed["client_steps"] == full["client_steps"]
+    assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-6)
+    for name, tensor in full["lora"].items():
+        torch.testing.assert_close(resumed["lora"][name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------------------------------------ one-process checks
+def small_model():
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, layers_to_transform=[1], lora_dropout=0.0)
+    model = get_peft_model(tiny_llama(num_layers=2), config)
+    make_stiefel(model, generator=torch.Generator().manual_seed(0))
+    return model
+
+
+def test_zero_optimizer_keeps_stiefel_groups_out_of_param_groups():
+    model = small_model()
+    optimizer = build_zero_fora_optimizer(model, lr=1e-3, lr_stiefel=1e-2, max_grad_norm=1.0)
+    in_groups = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    stiefel = {id(p) for p in optimizer.stiefel_parameters}
+    lora_b = {id(p) for n, p in model.named_parameters() if "lora_B" in n}
+    assert stiefel == lora_b and not in_groups & stiefel
+    assert in_groups | stiefel == {id(p) for p in model.parameters() if p.requires_grad}
+
+
+def test_zero_optimizer_refuses_a_stiefel_group_and_bad_settings():
+    model = small_model()
+    b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    a = [p for n, p in model.named_parameters() if "lora_A" in n]
+    with pytest.raises(ValueError, match="stiefel=True in params"):
+        ZeroFoRAOptimizer([{"params": b, "stiefel": True}], CayleyAdam(b))
+    with pytest.raises(ValueError, match="max_grad_norm=-1"):
+        ZeroFoRAOptimizer([{"params": a}], CayleyAdam(b), max_grad_norm=-1)
+    with pytest.raises(ValueError, match="sync_period=1.5"):
+        ZeroFoRAOptimizer([{"params": a}], CayleyAdam(b), sync_period=1.5)
+    with pytest.raises(TypeError, match="has no _global_grad_norm"):
+        ZeroFoRAOptimizer([{"params": a}], CayleyAdam(b), max_grad_norm=1.0).bind(object())
+
+
+def test_step_without_bind_names_the_fix():
+    model = small_model()
+    optimizer = build_zero_fora_optimizer(model, max_grad_norm=1.0)
+    ids = torch.arange(8)[None]
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(RuntimeError, match=r"call bind\(engine.optimizer\)"):
+        optimizer.step()
+
+
+def test_one_process_step_equals_fora_optimizer_with_global_clipping():
+    # Without DeepSpeed (world size 1) the ZeRO client is exactly FoRAOptimizer + clip_grad_norm_ over everything.
+    from fora_plugin import build_fora_optimizer
+
+    class NormSource:  # what DeepSpeed's ZeRO optimizer exposes: the norm of the partitioned (lora_A) gradients
+        _global_grad_norm = None
+
+    ids = torch.arange(10)[None] % 7
+    models = [small_model(), small_model()]
+    reference = build_fora_optimizer(models[0], lr=1e-2, lr_stiefel=5e-2)
+    zero = build_zero_fora_optimizer(models[1], lr=1e-2, lr_stiefel=5e-2, max_grad_norm=0.05)
+    source = NormSource()
+    zero.bind(source)
+    for _ in range(3):
+        for model in models:
+            model(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(models[0].parameters(), 0.05)
+        reference.step()
+        reference.zero_grad()
+        lora_a = [p.grad for g in zero.param_groups for p in g["params"]]
+        source._global_grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in lora_a]))
+        zero.step()
+        zero.zero_grad()
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_lora_b_still_steps_after_load_state_dict():
+    # DeepSpeed's resume calls the client's load_state_dict, which replaces the group dicts.
+    model = small_model()
+    optimizer = build_zero_fora_optimizer(model)
+    optimizer.load_state_dict(optimizer.state_dict())
+    before = [p.detach().clone() for p in optimizer.stiefel_parameters]
+    ids = torch.arange(8)[None]
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert optimizer.steps == 1
+    assert all(not torch.equal(b, p) for b, p in zip(before, optimizer.stiefel_parameters))
+
+
+def test_stiefel_state_round_trip_restores_the_master():
+    model = small_model()
+    optimizer = build_zero_fora_optimizer(model)
+    ids = torch.arange(8)[None]
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    saved = optimizer.stiefel_state_dict()
+    other = build_zero_fora_optimizer(small_model())
+    other.load_stiefel_state_dict(saved)
+    assert other.steps == 1
+    for p, q in zip(optimizer.stiefel_parameters, other.stiefel_parameters):
+        torch.testing.assert_close(optimizer.stiefel.state[p]["exp_avg"], other.stiefel.state[q]["exp_avg"])
+
+
+# --------------------------------------------------------------------------------------------------- refusals
+STIEFEL = FoRAConfig(mode="fora")
+
+
+@pytest.mark.parametrize(
+    ("ds", "match"),
+    [
+        ({"zero_optimization": {"stage": 3}}, "ZeRO-3"),
+        ({"zero_optimization": {"stage": 0}}, "stage=0"),
+        ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}, "`optimizer` block \\('AdamW'\\)"),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+            "offloads the optimizer to 'cpu' with zero_force_ds_cpu_optimizer true",
+        ),
+        ({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, "fp16.enabled=True"),
+    ],
+)
+def test_refused_deepspeed_settings(ds, match):
+    with pytest.raises(ValueError, match=match):
+        check_deepspeed_config(ds, STIEFEL)
+
+
+def test_accepted_deepspeed_settings():
+    offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    check_deepspeed_config({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, STIEFEL)
+    check_deepspeed_config({"zero_optimization": offload, "zero_force_ds_cpu_optimizer": False}, STIEFEL)
+    # fg-lora has no Stiefel lora_B: only ZeRO-3 (which shards the scored weights) is refused.
+    with_optimizer = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}
+    check_deepspeed_config(with_optimizer, FoRAConfig(mode="fg-lora"))
+    with pytest.raises(ValueError, match="ZeRO-3"):
+        check_deepspeed_config({"zero_optimization": {"stage": 3}}, FoRAConfig(mode="fg-lora"))
+    check_deepspeed_config({"zero_optimization": {"stage": 3}}, FoRAConfig(mode="lora"))
+
+
+def test_example_deepspeed_configs_are_accepted():
+    folder = HERE.parent / "example_configs" / "deepspeed"
+    for name in ("zero2.json", "zero2_offload.json", "zero2_qfora.json"):
+        check_deepspeed_config(load_deepspeed_config(folder / name), STIEFEL)
+    with pytest.raises(ValueError, match="is not a file"):
+        load_deepspeed_config(folder / "absent.json")
+
+
+def test_take_over_gradient_clipping():
+    ds = {"gradient_clipping": 1.0}
+    assert take_over_gradient_clipping(ds) == 1.0 and ds["gradient_clipping"] == 0.0
+    with pytest.raises(ValueError, match="still 'auto'"):
+        take_over_gradient_clipping({"gradient_clipping": "auto"})
