@@ -83,7 +83,11 @@ def _is_adapter_parameter(name: str) -> bool:
 
 def _is_quantized_linear(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
-    return isinstance(module, nn.Linear) and weight is not None and not weight.is_floating_point()
+    if not isinstance(module, nn.Linear) or weight is None:
+        return False
+    # A bitsandbytes 4-bit weight can be packed into a float storage (bnb_4bit_quant_storage=bfloat16, as QLoRA
+    # under FSDP/DeepSpeed uses): its quant_state, not its dtype, says it is quantized. It never gets a gradient.
+    return not weight.is_floating_point() or getattr(weight, "quant_state", None) is not None
 
 
 def _target_modules(layer: nn.Module, targets: Sequence[str]) -> dict[str, nn.Module]:

@@ -294,7 +294,6 @@ def deepspeed_file(tmp_path, **config) -> str:
 
 
 REFUSED = [
-    ({"adapter": "qlora", "load_in_4bit": True}, r"adapter='qlora' cannot be combined with fora_mode='fora'"),
     ({"lora_qkv_kernel": True}, r"lora_qkv_kernel=True cannot be combined with FoRA: .* no gradient for the base"),
     ({"peft_layers_to_transform": [0, 1]}, r"peft_layers_to_transform=\[0, 1\] is set, but FoRA chooses the layers"),
     ({"peft_use_dora": True}, r"peft_use_dora=True cannot be combined with fora_mode='fora'"),
@@ -304,14 +303,15 @@ REFUSED = [
     ({"fsdp_config": {"fsdp_version": 2}}, r"fsdp_config is set: FSDP shards lora_B"),
 ]
 DEEPSPEED_REFUSED = [
-    ("fg-lora", {"zero_optimization": {"stage": 3}}, r"is ZeRO-3: it shards the weights"),
-    ("fora", {"zero_optimization": {"stage": 2}}, r"is ZeRO-2: it hands the optimizer flat 1-D partitions"),
-    ("fg-lora", {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}, r"has an `optimizer` block"),
+    ("fg-lora", {"zero_optimization": {"stage": 3}}, r"is ZeRO-3 \(zero_optimization.stage=3\): it shards the weights"),
+    ("fora", {"zero_optimization": {"stage": 0}}, r"has zero_optimization.stage=0: .* ZeRO-1 and ZeRO-2"),
+    ("fora", {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}, r"has an `optimizer` block"),
     (
-        "fg-lora",
+        "fora",
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-        r"offloads the optimizer to 'cpu', and DeepSpeed then replaces FoRA's optimizer",
+        r"offloads the optimizer to 'cpu' with zero_force_ds_cpu_optimizer true",
     ),
+    ("fora", {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, r"enables fp16"),
 ]
 
 
@@ -328,8 +328,38 @@ def test_deepspeed_configs_fora_cannot_be_right_with_are_refused(workspace, tmp_
         validate(workspace, fora_mode=mode, deepspeed=deepspeed_file(tmp_path, **deepspeed))
 
 
-def test_deepspeed_zero2_is_accepted_without_stiefel_lora_b(workspace, tmp_path):
-    validate(workspace, fora_mode="fg-lora", deepspeed=deepspeed_file(tmp_path, zero_optimization={"stage": 2}))
+DEEPSPEED_CONFIGS = sorted((Path(__file__).parent.parent / "example_configs" / "deepspeed").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", DEEPSPEED_CONFIGS, ids=[p.name for p in DEEPSPEED_CONFIGS])
+def test_shipped_deepspeed_configs_are_accepted(workspace, path):
+    validate(workspace, deepspeed=str(path))
+
+
+def test_deepspeed_zero2_is_accepted(workspace, tmp_path):
+    validate(workspace, deepspeed=deepspeed_file(tmp_path, zero_optimization={"stage": 2}))
+    # fg-lora has no Stiefel lora_B: DeepSpeed's own optimizer is AdamW as FoRA's would be.
+    optimizer_block = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}
+    validate(workspace, fora_mode="fg-lora", deepspeed=deepspeed_file(tmp_path, **optimizer_block))
+
+
+@pytest.fixture(scope="module")
+def qfora_run(workspace):
+    config = fora_config(workspace, "qfora", adapter="qlora", load_in_4bit=True, max_steps=4, save_steps=4)
+    output = axolotl_train(workspace, config)
+    return workspace / "qfora", output
+
+
+@pytest.mark.slow
+def test_qlora_run_is_qfora_on_the_chosen_layers(qfora_run):
+    out, _ = qfora_run
+    selection = json.loads((out / "fora_scores.json").read_text())
+    weights = load_file(out / "adapter_model.safetensors")
+    assert adapted_layers(weights) == set(selection["chosen_layers"]) and len(selection["chosen_layers"]) == LAYERS // 2
+    for key, value in weights.items():
+        if "lora_B" in key:
+            assert orthogonality_error(value.float()) < 1e-2, key  # saved in the adapter dtype
+    assert all(score > 0 for score in selection["scores"])
 
 
 def test_the_plugin_is_enabled_by_its_dotted_or_entry_point_name_only():

@@ -179,3 +179,28 @@ def test_distributed_ranks_all_reduce_to_the_single_process_scores():
         ranks = [out[0], out[1]]
     assert ranks[0] == ranks[1]  # every rank selects the same layers
     assert_close(ranks[0], fisher_scores(tiny_llama(), batches, 4, progress=False).scores)
+
+
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float32])
+def test_4bit_weights_in_float_storage_are_scored_as_quantized(tmp_path, storage):
+    # QLoRA under FSDP/DeepSpeed packs the 4-bit weights into a float storage (bnb_4bit_quant_storage): they have a
+    # float dtype but no gradient, so they must take the x/g path like uint8-packed ones, with the same scores.
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_llama(num_layers=2).save_pretrained(tmp_path)
+    ids = [torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(i)) for i in (0, 1)]
+    batches = [{"input_ids": x, "labels": x} for x in ids]
+    scores = []
+    for quant_storage in (torch.uint8, storage):
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch.float32,
+            bnb_4bit_quant_storage=quant_storage,
+        )
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization, device_map="cpu")
+        weight = model.model.layers[0].self_attn.q_proj.weight
+        assert weight.dtype == quant_storage
+        scores.append(fisher_scores(model, batches, num_batches=2).scores)
+    torch.testing.assert_close(torch.tensor(scores[1]), torch.tensor(scores[0]), rtol=1e-5, atol=0)

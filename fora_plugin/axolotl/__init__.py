@@ -7,7 +7,11 @@ in ``post_trainer_create`` (the trainer's dataloader and loss exist, its optimiz
    data, masks, packing and loss that training will use;
 2. the adapter is taken off and put back under the same name, with the same LoraConfig object, on the chosen layers
    only, and its ``lora_B`` made Stiefel;
-3. the trainer gets FoRA's optimizer, FoRA's log entries and the callback that saves the selection in checkpoints.
+3. the trainer gets FoRA's optimizer, FoRA's log entries and the callback that saves the selection in checkpoints;
+   under DeepSpeed ZeRO-1/2, FoRA's ZeRO client optimizer and its checkpoint callback (:mod:`fora_plugin.zero`).
+
+``adapter: qlora`` (a 4-bit NF4 base, ``load_in_4bit: true``) is QFoRA: the base is scored through the quantized
+linears' inputs and output gradients, and the adapter is the same.
 
 Every step is a function that ``FoRASFTTrainer`` calls too (:mod:`fora_plugin.wiring`, :mod:`fora_plugin.trainer`),
 so both give the same layers, adapters, optimizer, logs and ``fora_scores.json``/``.png``.
@@ -24,7 +28,7 @@ from transformers import Trainer
 
 from ..config import PREFIX, FoRAConfig
 from ..models import resolve_model_path
-from ..trainer import fora_optimizer, score_on_trainer
+from ..trainer import fora_optimizer, prepare_deepspeed, score_on_trainer
 from ..wiring import (
     FoRALogs,
     SaveSelectionCallback,
@@ -83,6 +87,8 @@ class FoRAPlugin(BasePlugin):
             raise ValueError(f"FoRA trains one LoRA adapter; the model has active adapters {model.active_adapters}.")
         config = model.peft_config[model.active_adapters[0]]
         seed = fora.seed if fora.seed is not None else trainer.args.seed
+        # Under DeepSpeed ZeRO-1/2: DeepSpeed's clipping off (FoRA's optimizer clips) and the Stiefel-state callback.
+        prepare_deepspeed(trainer, fora, lambda: determine_last_checkpoint(cfg))
         selection = choose_layers(
             model.get_base_model(),
             fora,

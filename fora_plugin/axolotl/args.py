@@ -6,7 +6,6 @@ FoRA cannot be right with yet.
 """
 
 import dataclasses
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,6 +16,7 @@ from pydantic import BaseModel, Field, create_model, model_validator
 
 from ..config import PREFIX, FoRAConfig
 from ..trainer import ADAMW_OPTIMS
+from ..zero import check_deepspeed_config, load_deepspeed_config
 
 
 PLUGIN_NAME = "fora_plugin.axolotl.FoRAPlugin"
@@ -53,11 +53,11 @@ class _FoRAChecks(BaseModel):
 
 def _check_axolotl_settings(cfg: dict[str, Any], fora: FoRAConfig) -> None:
     adapter = cfg.get("adapter")
-    if adapter != "lora":
+    if adapter not in ("lora", "qlora"):
         raise ValueError(
             f"adapter={adapter!r} cannot be combined with fora_mode={fora.mode!r}: FoRA trains LoRA adapters on the "
-            "layers it chooses. Set adapter: lora (QLoRA, adapter: qlora, is not supported by the FoRA plugin yet), "
-            "or fora_mode: lora for Axolotl's own training."
+            "layers it chooses. Set adapter: lora, or adapter: qlora with load_in_4bit: true (QFoRA), or "
+            "fora_mode: lora for Axolotl's own training."
         )
     kernels = [name for name in LORA_KERNELS if cfg.get(name)]
     if kernels:
@@ -112,39 +112,9 @@ def _check_axolotl_settings(cfg: dict[str, Any], fora: FoRAConfig) -> None:
 
 
 def _check_deepspeed(deepspeed: str | dict[str, Any], fora: FoRAConfig) -> None:
-    if isinstance(deepspeed, str):
-        path = Path(deepspeed)
-        if not path.is_file():
-            return  # Axolotl reports a missing file itself.
-        ds = json.loads(path.read_text())
-    else:
-        ds = deepspeed
-    zero = ds.get("zero_optimization") or {}
-    stage = zero.get("stage", 0)
-    if stage == 3:
-        raise ValueError(
-            f"deepspeed={deepspeed!r} is ZeRO-3: it shards the weights, but the Fisher score needs whole base-weight "
-            "gradients and a Cayley step whole lora_B matrices, so FoRA does not support ZeRO-3 yet. Use DDP (no "
-            "deepspeed), or fora_mode: lora."
-        )
-    if stage in (1, 2) and fora.uses_stiefel:
-        raise ValueError(
-            f"deepspeed={deepspeed!r} is ZeRO-{stage}: it hands the optimizer flat 1-D partitions of each parameter "
-            f"group, but a Cayley step needs whole lora_B matrices, so fora_mode={fora.mode!r} does not support it "
-            "yet. Use DDP (no deepspeed), or fora_mode: fg-lora (no Stiefel lora_B)."
-        )
-    if "optimizer" in ds:
-        raise ValueError(
-            f"deepspeed={deepspeed!r} has an `optimizer` block, which makes DeepSpeed build its own optimizer in "
-            "place of FoRA's (AdamW + Cayley-Adam). Remove the block; learning_rate and fora_lr_stiefel set the "
-            "rates."
-        )
-    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
-    if offload != "none" and ds.get("zero_force_ds_cpu_optimizer", True):
-        raise ValueError(
-            f"deepspeed={deepspeed!r} offloads the optimizer to {offload!r}, and DeepSpeed then replaces FoRA's "
-            "optimizer by its CPU Adam (zero_force_ds_cpu_optimizer). Remove offload_optimizer."
-        )
+    if isinstance(deepspeed, str) and not Path(deepspeed).is_file():
+        return  # Axolotl reports a missing file itself.
+    check_deepspeed_config(load_deepspeed_config(deepspeed), fora, name=f"deepspeed={deepspeed!r}")
 
 
 FoRAArgs = create_model(
