@@ -402,3 +402,9 @@ def test_paper_configs_use_the_papers_settings():
         assert (cfg.micro_batch_size, cfg.gradient_accumulation_steps, cfg.num_epochs) == (16, 4, 3)
         assert (cfg.sequence_len, cfg.bf16) == (256, True)
         assert (fora.layer_budget, fora.fisher_batches, fora.qr_period) == (0.5, 128, 200)
+
+
+def test_qfora_config_loads_a_4bit_nf4_base():
+    cfg = validate_config(DictDefault(yaml.safe_load((AXOLOTL_CONFIGS[0].parent / "qfora_llama3_8b.yaml").read_text())))
+    assert (cfg.adapter, cfg.load_in_4bit, cfg.bf16) == ("qlora", True, True)
+    assert cfg.bnb_config_kwargs["bnb_4bit_quant_type"] == "nf4" and cfg.bnb_config_kwargs["bnb_4bit_use_double_quant"]
