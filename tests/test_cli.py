@@ -6,7 +6,9 @@ import pytest
 import yaml
 from conftest import TARGETS, char_tokenizer, tiny_llama
 
+from fora_plugin import stiefel_parameters
 from fora_plugin.cli import main
+from fora_plugin.stiefel import orthogonality_error
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +166,27 @@ def test_fora_eval_and_report_on_a_trained_adapter(setup, tmp_path, capsys):
     assert "| run | q_proj |" in printed and "KL(p_trained" in printed
     assert (tmp_path / "run" / "spectra.png").exists() and (tmp_path / "run" / "fisher_scores.png").exists()
     assert main(["eval", "--base", str(root / "model")]) == 2  # nothing to do: a message, not a traceback
+
+
+def test_load_in_4bit_in_the_yaml_trains_qfora_on_a_4bit_base(setup):
+    # QFoRA from the config: TRL's quantization keys become a BitsAndBytesConfig (NF4, nested quant, the compute
+    # dtype from `dtype`), the base loads as Linear4bit, and the adapter goes on the chosen layers only.
+    bnb = pytest.importorskip("bitsandbytes")
+    from fora_plugin.cli import build_trainer
+
+    root, path = setup
+    overrides = ["--load_in_4bit", "true", "--bnb_4bit_quant_type", "nf4", "--use_bnb_nested_quant", "true"]
+    trainer = build_trainer(str(path), [*overrides, "--output_dir", str(root / "qfora")])
+    base = trainer.model.get_base_model()
+    quantized = [m for m in base.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(quantized) == 4 * 7  # every linear of the 4 decoder layers
+    state = quantized[0].weight.quant_state
+    assert state.quant_type == "nf4" and state.nested
+    chosen = trainer.fora_selection.chosen
+    adapted = {int(n.split(".layers.")[1].split(".")[0]) for n, _ in trainer.model.named_parameters() if "lora_A" in n}
+    assert adapted == set(chosen) and len(chosen) == 2
+    assert all(score > 0 for score in trainer.fora_selection.scores.scores)
+    trainer.train()
+    optimizer = trainer.optimizer
+    for _, p in stiefel_parameters(trainer.model):
+        assert orthogonality_error(optimizer.state[p].get("master", p).float()) < 1e-4
