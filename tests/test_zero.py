@@ -142,7 +142,9 @@ def trainer_runs(tmp_path_factory):
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("zero_trainer")
     torchrun(HERE / "distributed" / "zero_trainer.py", str(out))
-    runs = {run: [torch.load(out / f"{run}-rank{rank}.pt") for rank in range(2)] for run in ("full", "resumed")}
+    runs = {
+        run: [torch.load(out / f"{run}-rank{rank}.pt") for rank in range(2)] for run in ("full", "resumed", "qfora")
+    }
     return out, runs
 
 
@@ -171,6 +173,20 @@ def test_resume_under_deepspeed_restores_the_cayley_state(trainer_runs):
     assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-6)
     for name, tensor in full["lora"].items():
         torch.testing.assert_close(resumed["lora"][name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_qfora_under_deepspeed_zero2(trainer_runs):
+    # A 4-bit NF4 base (bitsandbytes on the CPU) under ZeRO-2: scored through the Linear4bit inputs and output
+    # gradients, LoRA on the chosen layers, Stiefel lora_B beside the partition.
+    _, runs = trainer_runs
+    rank0, rank1 = runs["qfora"]
+    assert rank0["client"] == "ZeroFoRAOptimizer" and rank0["linear4bit"] == 4 * 7
+    for name in rank0["lora"]:
+        assert torch.equal(rank0["lora"][name], rank1["lora"][name]), name
+    assert {n.split(".layers.")[1].split(".")[0] for n in rank0["lora"]} == {str(i) for i in rank0["chosen"]}
+    assert max(orthogonality_error(m).item() for m in rank0["masters"]) < 1e-4
+    assert rank0["losses"][-1] < rank0["losses"][0]
 
 
 # ------------------------------------------------------------------------------------------ one-process checks

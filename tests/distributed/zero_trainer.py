@@ -1,8 +1,9 @@
 """FoRASFTTrainer through HF's own DeepSpeed integration (``deepspeed=`` in the SFTConfig); run by tests/test_zero.py.
 
 ``torchrun --nproc_per_node 2 zero_trainer.py OUT_DIR`` trains 6 steps under ZeRO-2 with gradient accumulation 2,
-saving a checkpoint at step 3, then a second trainer resumes from that checkpoint to step 6. Each rank writes its
-lora_A/lora_B, the fp32 masters and what the engine was given to ``OUT_DIR/<run>-rank<k>.pt``.
+saving a checkpoint at step 3, then a second trainer resumes from that checkpoint to step 6; then QFoRA (the same
+tiny Llama loaded in 4-bit NF4) trains 6 steps under ZeRO-2. Each rank writes its lora_A/lora_B, the fp32 masters
+and what the engine was given to ``OUT_DIR/<run>-rank<k>.pt``.
 
 On a CPU-only host ``use_cpu=True`` (in ``sft_args``) makes accelerate count the torchrun ranks (without it, it sees
 one process while the process group has two); bf16 is refused on a CPU, so this runs in fp32.
@@ -34,7 +35,7 @@ DEEPSPEED = {
 STEPS, SAVE_AT = 6, 3
 
 
-def make_trainer(out: Path) -> FoRASFTTrainer:
+def make_trainer(out: Path, model: torch.nn.Module | None = None) -> FoRASFTTrainer:
     args = sft_args(
         out,
         deepspeed=dict(DEEPSPEED),
@@ -46,7 +47,7 @@ def make_trainer(out: Path) -> FoRASFTTrainer:
         max_grad_norm=0.5,
     )
     return FoRASFTTrainer(
-        tiny_llama(LAYERS, vocab_size=VOCAB),
+        model if model is not None else tiny_llama(LAYERS, vocab_size=VOCAB),
         args,
         train_dataset=sums_dataset(),
         processing_class=char_tokenizer(),
@@ -69,7 +70,20 @@ def snapshot(trainer: FoRASFTTrainer) -> dict:
         "client_max_grad_norm": client.max_grad_norm,
         "client_steps": client.steps,
         "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
+        "linear4bit": sum(type(m).__module__.startswith("bitsandbytes") for m in trainer.model.modules()),
     }
+
+
+def load_4bit(folder: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,  # bf16 is refused on a CPU
+    )
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization, device_map="cpu")
 
 
 def main(out_dir: str) -> None:
@@ -84,6 +98,13 @@ def main(out_dir: str) -> None:
     resumed = make_trainer(out / "full")  # same output_dir: the checkpoint's selection is reused
     resumed.train(resume_from_checkpoint=str(checkpoint))
     torch.save(snapshot(resumed), out / f"resumed-rank{rank}.pt")
+
+    if rank == 0:
+        tiny_llama(LAYERS, vocab_size=VOCAB).save_pretrained(out / "model")
+    dist.barrier()
+    qfora = make_trainer(out / "qfora", load_4bit(out / "model"))
+    qfora.train()
+    torch.save(snapshot(qfora), out / f"qfora-rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
