@@ -90,6 +90,18 @@ def _is_quantized_linear(module: nn.Module) -> bool:
     return not weight.is_floating_point() or getattr(weight, "quant_state", None) is not None
 
 
+def _check_trainable_layout(linear: nn.Module) -> None:
+    # bitsandbytes (0.50, CPU) repacks a 4-bit weight for inference in place at its first no-grad eval forward and
+    # never back; its matmul then passes no gradient to the layer's input, so the scores would be wrong.
+    state = getattr(getattr(linear, "weight", None), "quant_state", None)
+    if getattr(state, "packing_format_for_cpu", False):
+        raise ValueError(
+            f"A {type(linear).__name__} weight has packing_format_for_cpu=True: an eval-mode forward without "
+            "gradients (evaluate(), generate()) repacked it for CPU inference, and gradients no longer flow through "
+            "it. Score the 4-bit model before any such forward, or load it again."
+        )
+
+
 def _target_modules(layer: nn.Module, targets: Sequence[str]) -> dict[str, nn.Module]:
     """Target linears of one layer by their name suffix; under PEFT, the wrapped base layer."""
     found = {}
@@ -285,6 +297,7 @@ def _watch_layers(
         by_activations = set()
         for linear in linears.values():
             if _is_quantized_linear(linear) or (linear_grad == "activations" and isinstance(linear, nn.Linear)):
+                _check_trainable_layout(linear)
                 bias = getattr(linear, "bias", None)
                 accumulator.watch_linear(index, linear, with_bias=bias is not None)
                 by_activations.update(id(p) for p in linear.parameters(recurse=False))

@@ -405,6 +405,7 @@ def test_paper_configs_use_the_papers_settings():
 
 
 def test_qfora_config_loads_a_4bit_nf4_base():
-    cfg = validate_config(DictDefault(yaml.safe_load((AXOLOTL_CONFIGS[0].parent / "qfora_llama3_8b.yaml").read_text())))
+    path = AXOLOTL_CONFIGS[0].parent / "qfora_llama3_8b.yaml"
+    cfg = validate_config(DictDefault(yaml.safe_load(path.read_text())))
     assert (cfg.adapter, cfg.load_in_4bit, cfg.bf16) == ("qlora", True, True)
     assert cfg.bnb_config_kwargs["bnb_4bit_quant_type"] == "nf4" and cfg.bnb_config_kwargs["bnb_4bit_use_double_quant"]
