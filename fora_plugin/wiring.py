@@ -32,6 +32,7 @@ from .fisher import FisherScores, find_decoder_layers
 from .plots import plot_fisher_scores
 from .selection import check_layer_indices, resolve_layer_budget, select_layers
 from .stiefel import orthogonality_error
+from .zero import find_zero_client
 
 
 logger = logging.getLogger(__name__)
@@ -316,10 +317,14 @@ class FoRALogs:
         self._selection_logged = False
 
     def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+        client = find_zero_client(optimizer)
         logs = {
-            "fora/max_orthogonality_error": _max_drift(model, optimizer),
+            "fora/max_orthogonality_error": _max_drift(model, client.stiefel if client is not None else optimizer),
             "fora/mean_effective_rank": mean_effective_rank(model),
         }
+        if client is not None and client.last_grad_norm is not None:
+            # DeepSpeed reports the norm of the partitioned lora_A gradients only; FoRA clipped by this one.
+            logs["grad_norm"] = client.last_grad_norm
         if not self._selection_logged:
             trainable = sum(self.selection.trainable_parameters.values())
             logs["fora/layers_adapted"] = len(self.selection.chosen)

@@ -43,6 +43,7 @@ __all__ = [
     "STIEFEL_STATE_FILE",
     "ZeroFoRAOptimizer",
     "build_zero_fora_optimizer",
+    "find_zero_client",
     "check_deepspeed_config",
     "load_deepspeed_config",
     "take_over_gradient_clipping",
@@ -232,6 +233,15 @@ def build_zero_fora_optimizer(
         process_group=process_group,
         **adamw_defaults,
     )
+
+
+def find_zero_client(optimizer: Any) -> ZeroFoRAOptimizer | None:
+    """The ZeroFoRAOptimizer inside a trainer's optimizer (accelerate's wrapper, then DeepSpeed's), if any."""
+    for _ in range(3):
+        if isinstance(optimizer, ZeroFoRAOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+    return None
 
 
 def _averaged_gradients(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:

@@ -163,6 +163,9 @@ def test_fora_sft_trainer_under_hf_deepspeed_integration(trainer_runs):
     assert max(orthogonality_error(m).item() for m in rank0["masters"]) < 1e-4
     assert rank0["losses"][-1] < rank0["losses"][0]
     assert (out / "full" / "out" / "checkpoint-3" / "fora_stiefel_optimizer.pt").is_file()
+    # The logged grad_norm is the one FoRA clipped by (lora_A and lora_B), not DeepSpeed's lora_A-only norm.
+    assert rank0["logs"][-1]["grad_norm"] == pytest.approx(rank0["client_last_grad_norm"])
+    assert all(log["fora/max_orthogonality_error"] < 1e-4 for log in rank0["logs"])
 
 
 @pytest.mark.slow

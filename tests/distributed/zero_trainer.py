@@ -69,6 +69,8 @@ def snapshot(trainer: FoRASFTTrainer) -> dict:
         "client": type(client).__name__,
         "client_max_grad_norm": client.max_grad_norm,
         "client_steps": client.steps,
+        "client_last_grad_norm": client.last_grad_norm,
+        "logs": [log for log in trainer.state.log_history if "loss" in log],
         "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
         "linear4bit": sum(type(m).__module__.startswith("bitsandbytes") for m in trainer.model.modules()),
     }
