@@ -158,6 +158,10 @@ def _restore_fp32_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> Non
             for key in _COMPUTE_STATE_KEYS:
                 if key in saved_state:
                     optimizer.state[p][key] = saved_state[key].to(dtype=_compute_dtype(p), device=p.device)
+            # torch leaves "step" where the file put it (a CPU tensor stacked with CUDA ones would fail).
+            for key in ("step", "skipped_steps"):
+                if key in saved_state:
+                    optimizer.state[p][key] = saved_state[key].to(device=p.device)
 
 
 def _init_state(state: dict[str, Any], p: torch.Tensor) -> None:

@@ -49,7 +49,6 @@ from .zero import (
     ZeroFoRAOptimizer,
     build_zero_fora_optimizer,
     check_deepspeed_config,
-    take_over_gradient_clipping,
 )
 
 
@@ -107,9 +106,9 @@ def score_on_trainer(
 def fora_optimizer(trainer: Trainer, model: nn.Module, fora: FoRAConfig) -> FoRAOptimizer | ZeroFoRAOptimizer:
     """The FoRA optimizer for ``model`` under ``trainer``'s arguments (lr, weight decay, betas, eps, decay rule).
 
-    Under DeepSpeed (after :func:`prepare_deepspeed`) the Stiefel modes get the ZeRO client optimizer, which clips
-    with ``max_grad_norm`` itself: HF makes DeepSpeed's ``gradient_clipping`` equal to it, and
-    :func:`prepare_deepspeed` turned DeepSpeed's off.
+    Under DeepSpeed the Stiefel modes get the ZeRO client optimizer, which clips lora_A and lora_B by one norm at
+    ``max_grad_norm`` (the :class:`ZeroStiefelCallback` that :func:`prepare_deepspeed` adds turns DeepSpeed's own
+    clipping, of lora_A alone, off).
     """
     args = trainer.args
     build = build_fora_optimizer
@@ -135,21 +134,27 @@ def fora_optimizer(trainer: Trainer, model: nn.Module, fora: FoRAConfig) -> FoRA
 def prepare_deepspeed(trainer: Trainer, fora: FoRAConfig, resume_checkpoint: Callable[[], str | None]) -> None:
     """Check ``trainer``'s DeepSpeed config for FoRA and set up the Stiefel ``lora_B`` beside ZeRO-1/2.
 
-    Refuses what would silently turn FoRA into something else (:func:`fora_plugin.zero.check_deepspeed_config`),
-    turns DeepSpeed's gradient clipping off (FoRA's client optimizer clips lora_A and lora_B by one norm) and adds
-    the :class:`ZeroStiefelCallback`. ``resume_checkpoint`` gives the checkpoint training resumes from, if any.
+    Call it before scoring. Refuses what would silently turn FoRA into something else
+    (:func:`fora_plugin.zero.check_deepspeed_config`), puts the model on the trainer's device, and adds the
+    :class:`ZeroStiefelCallback`. ``resume_checkpoint`` gives the checkpoint training resumes from, if any.
     """
-    if not trainer.is_deepspeed_enabled:
+    if not trainer.is_deepspeed_enabled or fora.mode == "lora":
         return
     config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config  # HF filled its "auto" values
     check_deepspeed_config(config, fora, name="the DeepSpeed config")
+    model = trainer.model
+    if not getattr(model, "is_loaded_in_4bit", False) and not getattr(model, "is_loaded_in_8bit", False):
+        # Under DeepSpeed neither HF nor TRL places the model (DeepSpeed does, at initialize), but the scoring
+        # batches are already on the device; ZeRO-1/2 keeps the whole model on every rank anyway. bitsandbytes
+        # placed a k-bit model when loading it.
+        model.to(trainer.args.device)
     if fora.uses_stiefel:
-        take_over_gradient_clipping(config)
         trainer.add_callback(ZeroStiefelCallback(trainer, resume_checkpoint))
 
 
 class ZeroStiefelCallback(TrainerCallback):
-    """Under DeepSpeed: binds FoRA's client optimizer to the engine's, and keeps its Cayley-Adam state in checkpoints.
+    """Under DeepSpeed: binds FoRA's client optimizer to the engine's (which turns DeepSpeed's own clipping off), and
+    keeps its Cayley-Adam state in checkpoints.
 
     DeepSpeed's checkpoint holds the partitioned lora_A state only; the Cayley-Adam state (moments, fp32 masters)
     goes to ``STIEFEL_STATE_FILE`` in each checkpoint folder and comes back on resume.
@@ -183,10 +188,11 @@ class ZeroStiefelCallback(TrainerCallback):
                 "state of the Stiefel lora_B): it was not saved by FoRA under DeepSpeed. Resume it without "
                 "DeepSpeed, or start a new run."
             )
-        client.load_stiefel_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        device = client.stiefel_parameters[0].device
+        client.load_stiefel_state_dict(torch.load(path, map_location=device, weights_only=True))
 
     def on_save(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:  # the same state on every rank
+        if args.should_save:  # the same state on every rank; saved where HF saves (one process, or each node's)
             folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
             torch.save(self._client().stiefel_state_dict(), os.path.join(folder, STIEFEL_STATE_FILE))
 

@@ -201,11 +201,9 @@ def readapt_lora(
     may hold that object and save it), on the same PeftModel; the adapter weights get the dtype the trainer gave
     them (bf16 on a k-bit base).
     """
-    if len(model.active_adapters) != 1:
-        raise ValueError(f"FoRA trains one LoRA adapter; the model has active adapters {model.active_adapters}.")
+    config = active_lora_config(model)
     adapter = model.active_adapters[0]
-    config = model.peft_config[adapter]
-    dtypes = {p.dtype for n, p in model.named_parameters() if "lora_" in n and p.requires_grad}
+    dtypes = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
     base = model.get_base_model()
     model.delete_adapter(adapter)
     model.unload()
@@ -213,12 +211,17 @@ def readapt_lora(
     torch.manual_seed(seed)
     model.add_adapter(adapter, config, autocast_adapter_dtype=autocast_adapter_dtype)
     model.set_adapter(adapter)
-    if len(dtypes) == 1:
-        (dtype,) = dtypes
-        for name, param in model.named_parameters():
-            if "lora_" in name and param.requires_grad:
-                param.data = param.data.to(dtype)
+    for name, param in model.named_parameters():
+        if param.requires_grad and name in dtypes:
+            param.data = param.data.to(dtypes[name])
     init_fora_adapters(model, selection, fora, seed)
+
+
+def active_lora_config(model: PeftModel) -> LoraConfig:
+    """The LoraConfig of ``model``'s one active adapter."""
+    if len(model.active_adapters) != 1:
+        raise ValueError(f"FoRA trains one LoRA adapter; the model has active adapters {model.active_adapters}.")
+    return model.peft_config[model.active_adapters[0]]
 
 
 def _layer_index(name: str, prefix: str) -> int | None:

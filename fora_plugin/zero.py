@@ -9,7 +9,8 @@ which are partitioned and stepped by AdamW as usual, and keeps every Stiefel ``l
 - at the gradient-accumulation boundary (the only time DeepSpeed calls the client's ``step``) their gradients are
   averaged over the data-parallel ranks in one all-reduce;
 - gradient clipping uses one norm over ``lora_A``'s and ``lora_B``'s gradients, as ``max_grad_norm`` does without
-  DeepSpeed, so DeepSpeed's own ``gradient_clipping`` must be 0 (:func:`take_over_gradient_clipping`);
+  DeepSpeed, so :meth:`ZeroFoRAOptimizer.bind` turns the clipping of DeepSpeed's ZeRO optimizer (``lora_A`` by its
+  own norm) off;
 - every rank applies the same Cayley-Adam step from its fp32 master (DeepSpeed's bf16 mode makes the module's
   parameters bf16), with ``lr_stiefel`` scaled by the same LR-schedule factor as the AdamW groups;
 - every ``sync_period`` steps rank 0 broadcasts ``lora_B``, its master and its moments, so that no float
@@ -46,7 +47,6 @@ __all__ = [
     "find_zero_client",
     "check_deepspeed_config",
     "load_deepspeed_config",
-    "take_over_gradient_clipping",
 ]
 
 # Marks the first Euclidean group (see ZeroFoRAOptimizer.__init__).
@@ -60,15 +60,18 @@ class ZeroFoRAOptimizer(AdamW):
 
     ``param_groups`` holds only the Euclidean groups: DeepSpeed partitions those. The Stiefel group lives in
     ``self.stiefel`` (a :class:`CayleyAdam`) and is stepped, whole and replicated, when DeepSpeed steps the first
-    Euclidean group. After ``deepspeed.initialize`` call :meth:`bind` with the engine's optimizer, whose gradient
-    norm over the Euclidean partitions the clipping needs.
+    Euclidean group. After ``deepspeed.initialize`` (and after loading a DeepSpeed checkpoint) call :meth:`bind`
+    with the engine's optimizer, whose gradient norm over the Euclidean partitions the clipping needs.
+
+    DeepSpeed calls the client's ``step`` only for a step it takes: if it skips one (an fp16 overflow, which FoRA's
+    config checks refuse), the Stiefel gradients stay until the engine's ``zero_grad`` (HF Trainer calls it).
 
     Args:
         params: the Euclidean param groups (AdamW).
         stiefel: the Cayley-Adam optimizer of the Stiefel ``lora_B``.
         max_grad_norm: clip the gradients of both parts by one global norm; 0 = no clipping.
         sync_period: broadcast the Stiefel state from rank 0 every ``sync_period`` steps; 0 = never.
-        process_group: the data-parallel group (default: the whole world).
+        process_group: the data-parallel group (default: the bound DeepSpeed optimizer's, else the whole world).
         **adamw_kwargs: ``torch.optim.AdamW`` keyword arguments (lr, betas, eps, weight_decay, ...).
     """
 
@@ -111,13 +114,18 @@ class ZeroFoRAOptimizer(AdamW):
         """Hand over the DeepSpeed ZeRO optimizer that wraps this one (``engine.optimizer``).
 
         Its ``_global_grad_norm``, which DeepSpeed's engine reads as well, is the norm of the Euclidean gradients
-        over all ranks, computed before the client's ``step`` is called.
+        over all ranks, computed before the client's ``step`` is called. Its own clipping (``clip_grad``, from
+        ``gradient_clipping``, by that norm alone) is turned off: this optimizer clips both parts by one norm. Call
+        it again after a DeepSpeed checkpoint load, which restores ``clip_grad``.
         """
-        if self.max_grad_norm > 0 and not hasattr(engine_optimizer, "_global_grad_norm"):
+        if not hasattr(engine_optimizer, "_global_grad_norm") or not hasattr(engine_optimizer, "clip_grad"):
             raise TypeError(
-                f"{type(engine_optimizer).__name__} has no _global_grad_norm: bind() takes the DeepSpeed ZeRO-1/2 "
-                "optimizer (engine.optimizer) that wraps this ZeroFoRAOptimizer."
+                f"{type(engine_optimizer).__name__} has no _global_grad_norm / clip_grad: bind() takes the DeepSpeed "
+                "ZeRO-1/2 optimizer (engine.optimizer) that wraps this ZeroFoRAOptimizer."
             )
+        engine_optimizer.clip_grad = 0.0
+        if self.process_group is None:
+            self.process_group = getattr(engine_optimizer, "dp_process_group", None)
         self._engine_optimizer = engine_optimizer
 
     @property
@@ -141,21 +149,23 @@ class ZeroFoRAOptimizer(AdamW):
     def _stiefel_step(self, lr: float) -> float:
         """Average, clip and apply the Stiefel gradients; returns the clip factor for the Euclidean slices."""
         params = self.stiefel_parameters
-        grads = _averaged_gradients(params, self.process_group)  # fp32, one all-reduce
-        stiefel_sq = sum(g.square().sum() for g in grads) if grads else torch.zeros(())
+        grads = _averaged_gradients(params, self.process_group)  # fp32 or None (no rank had one); one all-reduce
+        live = [g for g in grads if g is not None]
         coef = 1.0
-        if self.max_grad_norm > 0:
-            euclid = self._euclidean_grad_norm()
-            total = math.sqrt(euclid**2 + float(stiefel_sq))
-            self.last_grad_norm = total
-            # torch.nn.utils.clip_grad_norm_'s rule, which HF Trainer applies without DeepSpeed.
-            coef = min(1.0, self.max_grad_norm / (total + 1e-6))
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
+        euclid = self._euclidean_grad_norm()
+        if euclid is not None:
+            stiefel_sq = float(sum(g.square().sum() for g in live)) if live else 0.0
+            self.last_grad_norm = total = math.sqrt(euclid**2 + stiefel_sq)
+            if self.max_grad_norm > 0:
+                # torch.nn.utils.clip_grad_norm_'s rule, which HF Trainer applies without DeepSpeed.
+                coef = min(1.0, self.max_grad_norm / (total + 1e-6))
+                if coef < 1.0 and live:
+                    torch._foreach_mul_(live, coef)
         factor = lr / self._base_lr if self._base_lr else 1.0
         for group, base_lr in zip(self.stiefel.param_groups, self._stiefel_base_lrs):
             group["lr"] = base_lr * factor
-        stiefel_step_with_gradients(self.stiefel, dict(zip(params, grads)))
+        # A lora_B no rank has a gradient for is left alone, as CayleyAdam does with p.grad None.
+        stiefel_step_with_gradients(self.stiefel, {p: g for p, g in zip(params, grads) if g is not None})
         for p in params:
             p.grad = None  # DeepSpeed zeroes only the gradients it partitions
         self.steps += 1
@@ -163,20 +173,24 @@ class ZeroFoRAOptimizer(AdamW):
             self.broadcast_stiefel_state()
         return coef
 
-    def _euclidean_grad_norm(self) -> float:
+    def _euclidean_grad_norm(self) -> float | None:
+        """DeepSpeed's norm of the partitioned gradients; None where it is not needed and not there."""
         if self._engine_optimizer is None:
-            raise RuntimeError(
-                "ZeroFoRAOptimizer.step() needs the Euclidean gradient norm to clip with max_grad_norm="
-                f"{self.max_grad_norm}: call bind(engine.optimizer) after deepspeed.initialize, or set "
-                "max_grad_norm=0."
-            )
+            if self.max_grad_norm > 0:
+                raise ValueError(
+                    "ZeroFoRAOptimizer.step() needs the Euclidean gradient norm to clip with max_grad_norm="
+                    f"{self.max_grad_norm}, and was not bound: call bind(engine.optimizer) after deepspeed.initialize "
+                    "(an HF Trainer: fora_plugin.trainer.prepare_deepspeed does it), or set max_grad_norm=0."
+                )
+            return None
         norm = self._engine_optimizer._global_grad_norm
-        if norm is None:
-            raise RuntimeError(
-                "DeepSpeed computed no gradient norm (zero_optimization.compute_grad_norm is false): FoRA clips "
-                "with one norm over lora_A and lora_B. Set compute_grad_norm true, or max_grad_norm 0."
+        if norm is None and self.max_grad_norm > 0:
+            raise ValueError(
+                "DeepSpeed computed no gradient norm (zero_optimization.compute_grad_norm=false), but FoRA clips "
+                f"lora_A and lora_B by one norm (max_grad_norm={self.max_grad_norm}): set compute_grad_norm true, or "
+                "max_grad_norm 0."
             )
-        return float(norm)
+        return None if norm is None else float(norm)
 
     @torch.no_grad()
     def broadcast_stiefel_state(self) -> None:
@@ -220,6 +234,11 @@ def build_zero_fora_optimizer(
     groups, adamw_defaults, stiefel_defaults = fora_optimizer_parts(model, *args, **kwargs)
     euclidean = [group for group in groups if not group.get("stiefel")]
     stiefel = [group for group in groups if group.get("stiefel")]
+    if not stiefel:
+        raise ValueError(
+            "The model has no Stiefel lora_B (fora_plugin.make_stiefel marks them): build the ordinary optimizer "
+            "(build_fora_optimizer) for it; DeepSpeed partitions all of its groups as usual."
+        )
     if not euclidean:
         raise ValueError(
             "Every trainable parameter is a Stiefel lora_B: DeepSpeed needs at least one parameter to partition "
@@ -244,18 +263,23 @@ def find_zero_client(optimizer: Any) -> ZeroFoRAOptimizer | None:
     return None
 
 
-def _averaged_gradients(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
-    """fp32 gradients of ``params`` averaged over the ranks of ``group``: one flat all-reduce."""
+def _averaged_gradients(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor | None]:
+    """fp32 gradients of ``params`` averaged over the ranks of ``group`` (one flat all-reduce), as DDP averages:
+    a rank without a gradient for a parameter adds zeros; None for a parameter no rank has a gradient for."""
     if not params:
         return []
-    # A parameter without a gradient on this rank contributes zeros: every rank must send the same layout.
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1) for p in params])
+    # Every rank sends the same layout: the gradients (zeros where absent), then one has-gradient count each.
+    flat = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1) for p in params]
+        + [torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)]
+    )
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size(group)
         if world > 1:
             dist.all_reduce(flat, group=group)
-            flat.div_(world)
-    return [g.view_as(p) for g, p in zip(flat.split([p.numel() for p in params]), params)]
+            flat[: -len(params)].div_(world)
+    *grads, counts = flat.split([p.numel() for p in params] + [len(params)])
+    return [g.view_as(p) if count > 0 else None for g, p, count in zip(grads, params, counts.tolist())]
 
 
 # ---------------------------------------------------------------------------------------------- configuration
@@ -278,7 +302,9 @@ def check_deepspeed_config(ds: Mapping[str, Any], fora: FoRAConfig, name: str = 
     if fora.mode == "lora":
         return
     zero = ds.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0))
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"{name} has zero_optimization.stage={stage!r}: use 1 or 2 with FoRA (0-3 exist).")
     if stage == 3:
         raise ValueError(
             f"{name} is ZeRO-3 (zero_optimization.stage=3): it shards the weights, but the Fisher score needs whole "
@@ -292,9 +318,10 @@ def check_deepspeed_config(ds: Mapping[str, Any], fora: FoRAConfig, name: str = 
             f"{name} has zero_optimization.stage=0: FoRA's Stiefel lora_B are supported under ZeRO-1 and ZeRO-2. "
             "Set stage 2 (example_configs/deepspeed/zero2.json), or train without DeepSpeed (plain DDP)."
         )
-    if "optimizer" in ds:
+    if "optimizer" in ds:  # HF reads even `"optimizer": null` as a block
+        kind = (ds["optimizer"] or {}).get("type")
         raise ValueError(
-            f"{name} has an `optimizer` block ({ds['optimizer'].get('type', '?')!r}): DeepSpeed would then build its "
+            f"{name} has an `optimizer` block ({kind!r}): DeepSpeed would then build its "
             "own optimizer in place of FoRA's AdamW + Cayley-Adam. Remove the block; learning_rate and "
             "lr_stiefel set the rates."
         )
@@ -310,18 +337,3 @@ def check_deepspeed_config(ds: Mapping[str, Any], fora: FoRAConfig, name: str = 
             f"{name} enables fp16 (fp16.enabled={ds['fp16']['enabled']!r}): its loss scaling is applied to the "
             "partitioned lora_A gradients only, not to the Stiefel lora_B. Use bf16 (the paper's setting) or fp32."
         )
-
-
-def take_over_gradient_clipping(ds: dict[str, Any]) -> float:
-    """Turn DeepSpeed's ``gradient_clipping`` off in ``ds`` (in place) and return its value for ZeroFoRAOptimizer.
-
-    DeepSpeed would clip the ``lora_A`` slices by their own norm; FoRA clips ``lora_A`` and ``lora_B`` by one norm.
-    """
-    value = ds.get("gradient_clipping", 0.0)
-    if value == "auto":
-        raise ValueError(
-            "gradient_clipping is still 'auto': take over the clipping after HF fills the DeepSpeed config "
-            "(TrainingArguments sets it from max_grad_norm)."
-        )
-    ds["gradient_clipping"] = 0.0
-    return float(value or 0.0)

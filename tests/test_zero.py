@@ -19,7 +19,6 @@ from fora_plugin.zero import (
     build_zero_fora_optimizer,
     check_deepspeed_config,
     load_deepspeed_config,
-    take_over_gradient_clipping,
 )
 
 
@@ -220,7 +219,7 @@ def test_zero_optimizer_refuses_a_stiefel_group_and_bad_settings():
         ZeroFoRAOptimizer([{"params": a}], CayleyAdam(b), max_grad_norm=-1)
     with pytest.raises(ValueError, match="sync_period=1.5"):
         ZeroFoRAOptimizer([{"params": a}], CayleyAdam(b), sync_period=1.5)
-    with pytest.raises(TypeError, match="has no _global_grad_norm"):
+    with pytest.raises(TypeError, match="has no _global_grad_norm / clip_grad"):
         ZeroFoRAOptimizer([{"params": a}], CayleyAdam(b), max_grad_norm=1.0).bind(object())
 
 
@@ -229,7 +228,7 @@ def test_step_without_bind_names_the_fix():
     optimizer = build_zero_fora_optimizer(model, max_grad_norm=1.0)
     ids = torch.arange(8)[None]
     model(input_ids=ids, labels=ids).loss.backward()
-    with pytest.raises(RuntimeError, match=r"call bind\(engine.optimizer\)"):
+    with pytest.raises(ValueError, match=r"call bind\(engine.optimizer\)"):
         optimizer.step()
 
 
@@ -239,6 +238,7 @@ def test_one_process_step_equals_fora_optimizer_with_global_clipping():
 
     class NormSource:  # what DeepSpeed's ZeRO optimizer exposes: the norm of the partitioned (lora_A) gradients
         _global_grad_norm = None
+        clip_grad = 0.05
 
     ids = torch.arange(10)[None] % 7
     models = [small_model(), small_model()]
@@ -258,6 +258,37 @@ def test_one_process_step_equals_fora_optimizer_with_global_clipping():
         zero.zero_grad()
     for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    assert source.clip_grad == 0.0  # DeepSpeed's own clipping (lora_A by its own norm) is off once bound
+
+
+def test_a_lora_b_without_gradient_on_any_rank_is_left_alone():
+    # As CayleyAdam with p.grad None (and DDP's unused parameters): no momentum-only step, no step count.
+    model = small_model()
+    optimizer = build_zero_fora_optimizer(model)
+    ids = torch.arange(8)[None]
+    model(input_ids=ids, labels=ids).loss.backward()
+    unused, *others = optimizer.stiefel_parameters
+    unused.grad = None
+    before = [p.detach().clone() for p in optimizer.stiefel_parameters]
+    optimizer.step()
+    assert torch.equal(unused, before[0]) and not optimizer.stiefel.state[unused]
+    assert all(not torch.equal(p, b) for p, b in zip(others, before[1:]))
+
+
+def test_resumed_bf16_state_keeps_its_dtypes():
+    model = small_model()
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    optimizer = build_zero_fora_optimizer(model.to(torch.bfloat16))
+    ids = torch.arange(8)[None]
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    saved = optimizer.stiefel_state_dict()
+    optimizer.load_stiefel_state_dict(saved)
+    state = optimizer.stiefel.state[optimizer.stiefel_parameters[0]]
+    assert state["step"].dtype == torch.float32 and state["skipped_steps"].dtype == torch.int64
+    assert state["master"].dtype == torch.float32 and state["exp_avg"].dtype == torch.float32
 
 
 def test_lora_b_still_steps_after_load_state_dict():
@@ -329,8 +360,8 @@ def test_example_deepspeed_configs_are_accepted():
         load_deepspeed_config(folder / "absent.json")
 
 
-def test_take_over_gradient_clipping():
-    ds = {"gradient_clipping": 1.0}
-    assert take_over_gradient_clipping(ds) == 1.0 and ds["gradient_clipping"] == 0.0
-    with pytest.raises(ValueError, match="still 'auto'"):
-        take_over_gradient_clipping({"gradient_clipping": "auto"})
+def test_malformed_deepspeed_settings_name_the_value():
+    with pytest.raises(ValueError, match="zero_optimization.stage='auto'"):
+        check_deepspeed_config({"zero_optimization": {"stage": "auto"}}, STIEFEL)
+    with pytest.raises(ValueError, match="`optimizer` block \\(None\\)"):
+        check_deepspeed_config({"zero_optimization": {"stage": 2}, "optimizer": None}, STIEFEL)

@@ -32,6 +32,7 @@ from ..trainer import fora_optimizer, prepare_deepspeed, score_on_trainer
 from ..wiring import (
     FoRALogs,
     SaveSelectionCallback,
+    active_lora_config,
     choose_layers,
     readapt_lora,
     write_selection,
@@ -83,9 +84,7 @@ class FoRAPlugin(BasePlugin):
                 f"FoRA expected Axolotl's trainer to hold the LoRA PeftModel (adapter: lora), but it holds a "
                 f"{type(model).__name__}."
             )
-        if len(model.active_adapters) != 1:
-            raise ValueError(f"FoRA trains one LoRA adapter; the model has active adapters {model.active_adapters}.")
-        config = model.peft_config[model.active_adapters[0]]
+        config = active_lora_config(model)
         seed = fora.seed if fora.seed is not None else trainer.args.seed
         # Under DeepSpeed ZeRO-1/2: DeepSpeed's clipping off (FoRA's optimizer clips) and the Stiefel-state callback.
         prepare_deepspeed(trainer, fora, lambda: determine_last_checkpoint(cfg))

@@ -108,7 +108,9 @@ def train_deepspeed(zero: dict, bf16: bool = False) -> dict:
         "train_batch_size": WORLD * GAS * MICRO,
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
-        "gradient_clipping": 0.0,  # ZeroFoRAOptimizer clips lora_A and lora_B by one norm
+        # As HF fills it from max_grad_norm: bind() must turn this (lora_A by its own norm) off, since
+        # ZeroFoRAOptimizer clips lora_A and lora_B by one norm; a match with the single process shows it did.
+        "gradient_clipping": MAX_GRAD_NORM,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,

@@ -65,7 +65,7 @@ def snapshot(trainer: FoRASFTTrainer) -> dict:
             client.stiefel.state[p].get("master", p).detach().float().clone() for p in client.stiefel_parameters
         ],
         "chosen": trainer.fora_selection.chosen,
-        "engine_gradient_clipping": engine.gradient_clipping(),
+        "engine_gradient_clipping": engine.optimizer.clip_grad,
         "client": type(client).__name__,
         "client_max_grad_norm": client.max_grad_norm,
         "client_steps": client.steps,
