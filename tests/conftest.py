@@ -23,11 +23,13 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_llama(num_layers: int = 4, seed: int = 0, vocab_size: int = 96) -> LlamaForCausalLM:
+def tiny_llama(
+    num_layers: int = 4, seed: int = 0, vocab_size: int = 96, hidden_size: int = 32, intermediate_size: int = 64
+) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -17,8 +17,10 @@ bnb = pytest.importorskip("bitsandbytes", reason="QFoRA needs bitsandbytes: pip 
 from bitsandbytes.functional import dequantize_4bit  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
+from test_fisher import brute_force_scores  # noqa: E402
+from test_trainer import sft_args  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
-from trl import SFTConfig, get_quantization_config  # noqa: E402
+from trl import get_quantization_config  # noqa: E402
 
 from fora_plugin import FoRAConfig, FoRASFTTrainer, stiefel_parameters  # noqa: E402
 from fora_plugin.cli import parse_config  # noqa: E402
@@ -83,26 +85,6 @@ def make_batches(n=3, batch=2, length=10, seed=0):
     return batches
 
 
-def brute_force_scores(model, batches, targets=None):
-    """Keep every gradient: per batch, backward, then sum ‖grad‖² over each layer's chosen parameters."""
-    _, layers = find_decoder_layers(model)
-    model.requires_grad_(False)
-    model.train()
-    chosen = []
-    for layer in layers:
-        params = [p for n, p in layer.named_parameters() if targets is None or n.split(".")[-2] in targets]
-        for p in params:
-            p.requires_grad_(True)
-        chosen.append(params)
-    totals = torch.zeros(len(layers), dtype=torch.float64)
-    for batch in batches:
-        model.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
-        for i, params in enumerate(chosen):
-            totals[i] += sum(p.grad.double().square().sum() for p in params)
-    return (totals / len(batches)).tolist()
-
-
 def assert_close(actual, expected, rtol=1e-4):
     assert len(actual) == len(expected)
     for a, e in zip(actual, expected):
@@ -162,21 +144,13 @@ def sums_dataset() -> Dataset:
 
 @pytest.mark.slow
 def test_qfora_trains_lora_on_the_chosen_layers_of_a_4bit_base(float_dir, tmp_path):
-    args = SFTConfig(
-        output_dir=str(tmp_path / "out"),
+    args = sft_args(
+        tmp_path,
         per_device_train_batch_size=8,
         max_steps=15,
         learning_rate=3e-2,
         lr_scheduler_type="constant",
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
-        gradient_checkpointing=False,
         train_sampling_strategy="sequential",  # the scoring batches are then the dataloader's first ones
-        seed=0,
     )
     trainer = FoRASFTTrainer(
         load_4bit(float_dir),
@@ -241,21 +215,8 @@ def test_example_config_is_nf4_double_quant_with_bf16_compute():
 def test_a_4bit_model_repacked_by_an_eval_forward_is_refused(tmp_path):
     # bitsandbytes on the CPU repacks a 4-bit weight for inference at the first no-grad eval forward (in_features
     # >= 64) and never back; gradients then stop at that layer, so scoring must refuse rather than give wrong scores.
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    # in_features 128: bitsandbytes repacks only weights with in_features >= 64.
+    tiny_llama(2, vocab_size=VOCAB, hidden_size=128, intermediate_size=256).save_pretrained(tmp_path)
     model = load_4bit(tmp_path)
     batches = make_batches()
     fisher_scores(model, batches, 1)  # fine before
