@@ -27,7 +27,7 @@ import torch
 from peft import LoraConfig, PeftModel
 from torch import nn
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import get_last_checkpoint
 from trl import SFTTrainer
 
 from .config import FoRAConfig
@@ -39,6 +39,7 @@ from .wiring import (
     FoRALogs,
     FoRASelection,
     SaveSelectionCallback,
+    checkpoint_folder,
     choose_layers,
     format_selection_table,
     readapt_lora,
@@ -49,6 +50,7 @@ from .zero import (
     ZeroFoRAOptimizer,
     build_zero_fora_optimizer,
     check_deepspeed_config,
+    find_zero_client,
 )
 
 
@@ -166,10 +168,11 @@ class ZeroStiefelCallback(TrainerCallback):
 
     def _client(self) -> ZeroFoRAOptimizer:
         engine_optimizer = self.trainer.model_wrapped.optimizer
-        client = getattr(engine_optimizer, "optimizer", None)
-        if not isinstance(client, ZeroFoRAOptimizer):
+        client = find_zero_client(engine_optimizer)
+        if client is None:
+            inner = getattr(engine_optimizer, "optimizer", None)
             raise TypeError(
-                f"DeepSpeed's optimizer wraps a {type(client).__name__}, not FoRA's ZeroFoRAOptimizer: something "
+                f"DeepSpeed's optimizer wraps a {type(inner).__name__}, not FoRA's ZeroFoRAOptimizer: something "
                 "replaced FoRA's optimizer (a DeepSpeed `optimizer` block, or offload with "
                 "zero_force_ds_cpu_optimizer true)."
             )
@@ -193,8 +196,7 @@ class ZeroStiefelCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if args.should_save:  # the same state on every rank; saved where HF saves (one process, or each node's)
-            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            torch.save(self._client().stiefel_state_dict(), os.path.join(folder, STIEFEL_STATE_FILE))
+            torch.save(self._client().stiefel_state_dict(), checkpoint_folder(args, state) / STIEFEL_STATE_FILE)
 
 
 class FoRASFTTrainer(SFTTrainer):

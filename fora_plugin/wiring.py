@@ -297,6 +297,11 @@ def format_selection_table(selection: FoRASelection) -> str:
     return "\n".join(lines)
 
 
+def checkpoint_folder(args, state) -> Path:
+    """The checkpoint folder HF Trainer has just saved, in a callback's ``on_save``."""
+    return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+
+
 class SaveSelectionCallback(TrainerCallback):
     """Every checkpoint carries the selection, so a resume adapts the same layers without scoring again."""
 
@@ -305,7 +310,7 @@ class SaveSelectionCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+            folder = checkpoint_folder(args, state)
             folder.mkdir(parents=True, exist_ok=True)
             (folder / SCORES_FILE).write_text(json.dumps(self.selection.to_dict(), indent=2))
         return control
