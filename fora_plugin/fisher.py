@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+from transformers.pytorch_utils import Conv1D
 
 
 FISHER_PARAMS = ("layer", "targets")
@@ -78,16 +79,44 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 def _is_adapter_parameter(name: str) -> bool:
-    return any(part.startswith("lora_") for part in name.split("."))
+    # PEFT's own tensors: lora_A/lora_B/lora_magnitude_vector..., and the trainable copies of modules_to_save.
+    return any(part.startswith("lora_") or part == "modules_to_save" for part in name.split("."))
 
 
-def _is_quantized_linear(module: nn.Module) -> bool:
+def _base_name(name: str) -> str:
+    """``name`` without PEFT's ``base_layer`` hops, as the unwrapped model names it (target matching)."""
+    return ".".join(part for part in name.split(".") if part != "base_layer")
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    """A module that computes y = x Wᵀ (+ b): ``nn.Linear`` and its quantized forms (bitsandbytes, GPTQ, AWQ, HQQ,
+    torchao, fp8), which all expose ``in_features``/``out_features``, and transformers' ``Conv1D`` (GPT-2)."""
+    if isinstance(module, (nn.Linear, Conv1D)):
+        return True
+    return isinstance(getattr(module, "in_features", None), int) and isinstance(
+        getattr(module, "out_features", None), int
+    )
+
+
+def _weight_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's own (not its children's) parameters, and its buffers that hold weights: packed integer matrices
+    (GPTQ's qweight, AWQ's qzeros) or a float ``weight`` kept as a buffer. Masks and rotary tables are left out."""
+    tensors = dict(module.named_parameters(recurse=False))
+    for name, buffer in module.named_buffers(recurse=False):
+        if buffer is None or buffer.dim() < 2 or buffer.dtype == torch.bool:
+            continue
+        if "weight" in name or not buffer.is_floating_point():
+            tensors[name] = buffer
+    return tensors
+
+
+def _has_autograd_weight(module: nn.Module) -> bool:
+    """Whether the module's weight is a plain float Parameter, one autograd can give a gradient."""
     weight = getattr(module, "weight", None)
-    if not isinstance(module, nn.Linear) or weight is None:
-        return False
-    # A bitsandbytes 4-bit weight can be packed into a float storage (bnb_4bit_quant_storage=bfloat16, as QLoRA
-    # under FSDP/DeepSpeed uses): its quant_state, not its dtype, says it is quantized. It never gets a gradient.
-    return not weight.is_floating_point() or getattr(weight, "quant_state", None) is not None
+    # A quantized weight is packed (uint8/int), a buffer (GPTQ, AWQ, HQQ), a tensor subclass (torchao, fp8,
+    # bitsandbytes' Params4bit), or a 4-bit weight in a float storage (bnb_4bit_quant_storage=bfloat16 under
+    # FSDP/DeepSpeed: its quant_state, not its dtype, says it is quantized). None of them gets a gradient.
+    return type(weight) is nn.Parameter and weight.is_floating_point() and getattr(weight, "quant_state", None) is None
 
 
 def _check_trainable_layout(linear: nn.Module) -> None:
@@ -102,13 +131,9 @@ def _check_trainable_layout(linear: nn.Module) -> None:
         )
 
 
-def _target_modules(layer: nn.Module, targets: Sequence[str]) -> dict[str, nn.Module]:
-    """Target linears of one layer by their name suffix; under PEFT, the wrapped base layer."""
-    found = {}
-    for name, module in layer.named_modules():
-        if any(name == t or name.endswith("." + t) for t in targets):
-            found[name] = getattr(module, "base_layer", module)
-    return found
+def _in_scope(name: str, targets: Sequence[str]) -> bool:
+    name = _base_name(name)
+    return any(name == t or name.endswith("." + t) for t in targets)
 
 
 def squared_norm_of_outer_sum(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -119,40 +144,152 @@ def squared_norm_of_outer_sum(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (g.T @ x).square().sum()  # (out, in)
 
 
+def _tensors(output: Any) -> list[torch.Tensor] | None:
+    """The tensors of a module output (a tensor, or a tuple/list holding tensors); None for other containers."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for t in output if isinstance(t, torch.Tensor)]
+    return None
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
 class _LayerAccumulator:
     """Hooks that add squared gradient norms into per-layer totals (a device tensor) as gradients appear."""
 
     def __init__(self, num_layers: int, device: torch.device) -> None:
         self.totals = torch.zeros(num_layers, dtype=torch.float32, device=device)
         self.handles: list[Any] = []
+        self._replaying = False  # set while a module re-runs inside a gradient hook: no hook may count that run
+        self._pending: list[tuple[int, list[torch.Tensor | None]]] = []
+        self._forwarded: dict[str, str] = {}  # label -> type name, of modules whose output needed a gradient
+        self._reached: set[str] = set()  # labels of those whose output received one
+
+    def add(self, index: int, value: torch.Tensor) -> None:
+        # A model split over devices (device_map="auto") computes each layer's part on that layer's device.
+        self.totals[index] += value.to(self.totals.device)
 
     def watch_parameter(self, index: int, param: nn.Parameter) -> None:
         def hook(p: torch.Tensor) -> None:
-            self.totals[index] += p.grad.detach().float().square().sum()
+            self.add(index, p.grad.detach().float().square().sum())
             p.grad = None  # freed at once: never more than one weight gradient alive
 
         self.handles.append(param.register_post_accumulate_grad_hook(hook))
 
-    def watch_linear(self, index: int, linear: nn.Module, with_bias: bool) -> None:
+    def watch_linear(self, index: int, label: str, linear: nn.Module, with_bias: bool) -> None:
+        """Score a linear-like module's weight (and bias) from its input x and output gradient g: ∇W = Σ_t g xᵀ."""
+
         # The output's gradient hook fires once per backward even under gradient checkpointing: a reentrant
         # recompute's first forward runs without grad (no hook), a non-reentrant recompute's output is not on the
         # backward path (its hook never fires).
-        def forward_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
+        def forward_hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self._replaying or not torch.is_grad_enabled():
                 return
+            outputs = _tensors(output)
+            if not outputs or not outputs[0].requires_grad:
+                return
+            self._forwarded[label] = type(module).__name__
             x = args[0].detach()
 
             def grad_hook(g: torch.Tensor) -> None:
+                self._reached.add(label)
                 g2 = g.detach().reshape(-1, g.shape[-1]).float()  # (T, out)
                 x2 = x.reshape(-1, x.shape[-1]).float()  # (T, in)
-                total = squared_norm_of_outer_sum(g2, x2)
+                total = squared_norm_of_outer_sum(g2, x2)  # Conv1D's (in, out) weight has the same norm
                 if with_bias:
                     total = total + g2.sum(dim=0).square().sum()
-                self.totals[index] += total
+                self.add(index, total)
 
-            output.register_hook(grad_hook)
+            outputs[0].register_hook(grad_hook)
 
         self.handles.append(linear.register_forward_hook(forward_hook))
+
+    def watch_module(self, index: int, label: str, module: nn.Module, names: list[str]) -> None:
+        """Score the module's own parameters ``names`` without forming their gradient on the model.
+
+        The module re-runs, inside its output's gradient hook, on its saved inputs with detached copies of those
+        parameters (``torch.func.functional_call``); ``torch.autograd.grad`` of that copy with the output gradient g
+        is exactly ∇w = J_wᵀ g for this call. Nothing is set on the model's parameters, so this also holds when they
+        are sharded (FSDP2, ZeRO-3): the module's parameters are gathered for its backward.
+        """
+
+        def forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._replaying or not torch.is_grad_enabled():
+                return
+            outputs = _tensors(output)
+            if outputs is None:
+                raise ValueError(
+                    f"{label} ({type(module).__name__}) returns a {type(output).__name__}: linear_grad="
+                    "'activations' scores a module's own parameters from its tensor outputs only. Use "
+                    "linear_grad='auto' for this model."
+                )
+            positions = [i for i, t in enumerate(outputs) if t.requires_grad]
+            if not positions:
+                return
+            self._forwarded[label] = type(module).__name__
+            saved_args, saved_kwargs = _detached(args), _detached(kwargs)
+            device_type = outputs[positions[0]].device.type
+            autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+            pending: list[torch.Tensor | None] = [None] * len(names)
+            if len(positions) > 1:
+                self._pending.append((index, pending))
+
+            def vector_jacobian(position: int, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+                with torch.enable_grad(), torch.autocast(device_type, dtype=autocast[1], enabled=autocast[0]):
+                    copies = {n: getattr(module, n).detach().requires_grad_(True) for n in names}
+                    self._replaying = True
+                    try:
+                        replay = torch.func.functional_call(module, copies, saved_args, saved_kwargs)
+                    finally:
+                        self._replaying = False
+                    return torch.autograd.grad(_tensors(replay)[position], list(copies.values()), g, allow_unused=True)
+
+            def make_hook(position: int) -> Callable[[torch.Tensor], None]:
+                def grad_hook(g: torch.Tensor) -> None:
+                    self._reached.add(label)
+                    grads = vector_jacobian(position, g.detach())
+                    if len(positions) == 1:
+                        self.add(index, sum(gr.float().square().sum() for gr in grads if gr is not None))
+                        return
+                    # Several outputs: ∇w = Σ_outputs J_wᵀ g, squared once the backward is over (flush).
+                    for k, gr in enumerate(grads):
+                        if gr is not None:
+                            pending[k] = gr if pending[k] is None else pending[k] + gr
+
+                return grad_hook
+
+            for position in positions:
+                outputs[position].register_hook(make_hook(position))
+
+        self.handles.append(module.register_forward_hook(forward_hook, with_kwargs=True))
+
+    def flush(self) -> None:
+        """After a backward: square the summed gradients of the modules with several differentiable outputs."""
+        for index, grads in self._pending:
+            total = sum(gr.float().square().sum() for gr in grads if gr is not None)
+            if isinstance(total, torch.Tensor):
+                self.add(index, total)
+        self._pending.clear()
+
+    def check_reached(self) -> None:
+        """Refuse scores that silently miss a module: it ran with gradients on, yet its output never got one."""
+        missed = {label: kind for label, kind in self._forwarded.items() if label not in self._reached}
+        if missed:
+            raise ValueError(
+                f"Fisher scoring: {missed} ran in the forward but their outputs never received a gradient, so their "
+                "weights would score 0. Their forward does not pass gradients (a custom kernel without backward, or "
+                "a bitsandbytes weight repacked for inference): load the model so that gradients flow through these "
+                "modules, or leave them out of the decoder layers' scope (fisher_params='targets')."
+            )
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -182,6 +319,36 @@ def _restored(model: nn.Module):
             m.training = mode
 
 
+@contextlib.contextmanager
+def _training_without_dropout(model: nn.Module, layer_prefix: str):
+    """Train mode where training needs it, with every dropout off: the score is an expectation, not a sample.
+
+    The decoder layers and the modules holding them stay in train mode (transformers checkpoints a layer only when
+    its ``self.training`` is set, and a model turns its KV cache off under checkpointing in training); their own
+    dropout rates (float attributes such as ``dropout``, ``attention_dropout``, ``layerdrop``) are set to 0 for the
+    scoring. Every other module (nn.Dropout, attention modules whose dropout reads ``self.training``, MoE routers
+    with jitter noise) is in eval mode. ``_restored`` gives the modes back.
+    """
+    kept = {"", layer_prefix}
+    parts = layer_prefix.split(".")
+    kept.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    rates = []
+    for name, module in model.named_modules():
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        is_layer = parent == layer_prefix and name.rsplit(".", 1)[-1].isdigit()
+        module.training = name in kept or is_layer
+        if module.training:
+            for attr, value in vars(module).items():
+                if "drop" in attr and isinstance(value, float) and not isinstance(value, bool) and value > 0:
+                    rates.append((module, attr, value))
+                    setattr(module, attr, 0.0)
+    try:
+        yield
+    finally:
+        for module, attr, value in rates:
+            setattr(module, attr, value)
+
+
 def fisher_scores(
     model: nn.Module,
     batches: Iterable[Any],
@@ -190,6 +357,7 @@ def fisher_scores(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     fisher_params: str = "layer",
     target_modules: Sequence[str] | None = None,
+    target_parameters: Sequence[str] | None = None,
     linear_grad: str = "auto",
     autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
     progress: bool = True,
@@ -204,16 +372,21 @@ def fisher_scores(
         loss_fn: ``loss_fn(model, batch) -> loss``; by default ``model(**batch).loss`` with tensors moved to the
             model's device. A trainer passes its own ``compute_loss`` (completion masks, packing, padding-free).
         fisher_params: ``"layer"``: every base parameter of the layer (the paper's definition); ``"targets"``:
-            only the weights and biases of ``target_modules``.
-        target_modules: LoRA target names (suffixes such as ``"q_proj"``), needed for ``"targets"``.
-        linear_grad: ``"auto"``: autograd for float weights, inputs x and output gradients g for quantized linears;
-            ``"activations"``: x and g for every linear in scope (no weight gradient is ever formed).
+            only the weights and biases of ``target_modules`` and the parameters ``target_parameters``.
+        target_modules: LoRA target names (suffixes such as ``"q_proj"``), for ``"targets"``.
+        target_parameters: LoRA target parameter names (``LoraConfig.target_parameters``, suffixes such as
+            ``"mlp.experts.gate_up_proj"``: fused MoE experts), for ``"targets"``.
+        linear_grad: ``"auto"``: autograd for float weights, inputs x and output gradients g for linears whose
+            weight cannot hold a gradient (quantized); ``"activations"``: no parameter gradient is ever formed (the
+            mode for sharded models): x and g for every linear-like module, and every other parameter (norms,
+            routers, fused experts) by re-running its module on a detached copy (``_LayerAccumulator.watch_module``).
         autocast: a factory of the context manager each forward runs under, e.g. a trainer's
             ``compute_loss_context_manager`` (autocast as in training).
         progress: show a progress bar.
 
-    The model runs in train mode (so gradient checkpointing, if enabled, applies as in training); its
-    requires_grad flags, modes and gradients are restored afterwards.
+    The decoder layers run in train mode (so gradient checkpointing, if enabled, applies as in training) with every
+    dropout off; requires_grad flags, modes and gradients are restored afterwards. Scores are summed on the device
+    of the model's first parameter, also when the layers are spread over devices.
     """
     if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
         raise ValueError(f"fisher_batches={num_batches!r} is invalid: use an int >= 1 (the paper uses 128).")
@@ -221,8 +394,10 @@ def fisher_scores(
         raise ValueError(f"fisher_params={fisher_params!r} is invalid: use one of {FISHER_PARAMS}.")
     if linear_grad not in LINEAR_GRADS:
         raise ValueError(f"linear_grad={linear_grad!r} is invalid: use one of {LINEAR_GRADS}.")
-    if fisher_params == "targets" and not target_modules:
-        raise ValueError("fisher_params='targets' needs target_modules (e.g. ['q_proj', 'v_proj']).")
+    if fisher_params == "targets" and not target_modules and not target_parameters:
+        raise ValueError(
+            "fisher_params='targets' needs target_modules (e.g. ['q_proj', 'v_proj']) or target_parameters."
+        )
     prefix, layers = find_decoder_layers(model)
     device = next(model.parameters()).device
     accumulator = _LayerAccumulator(len(layers), device)
@@ -234,7 +409,9 @@ def fisher_scores(
     with _restored(model), contextlib.ExitStack() as stack:
         stack.callback(accumulator.remove)
         model.requires_grad_(False)
-        _watch_layers(accumulator, layers, fisher_params, target_modules, linear_grad)
+        scope = _Scope(fisher_params, target_modules or (), target_parameters or ())
+        for index, layer in enumerate(layers):
+            _watch_layer(accumulator, index, f"{prefix}.{index}", layer, scope, linear_grad)
         # Gradients must reach layer 0 even when checkpointing: make the embeddings' output require grad.
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if embeddings is not None:
@@ -242,7 +419,7 @@ def fisher_scores(
         disable_adapters = getattr(model, "disable_adapter", None)
         if callable(disable_adapters):
             stack.enter_context(disable_adapters())  # score the base model, not base + adapter
-        model.train()
+        stack.enter_context(_training_without_dropout(model, prefix))
         count = 0
         bar = tqdm(total=num_batches, desc="Fisher scoring", unit="batch", disable=not progress)
         stack.callback(bar.close)
@@ -252,8 +429,10 @@ def fisher_scores(
             with autocast() if autocast is not None else contextlib.nullcontext():
                 loss = loss_fn(model, batch)
             loss.backward()
+            accumulator.flush()
             count += 1
             bar.update(1)
+        accumulator.check_reached()
 
     if count == 0:
         raise ValueError("Fisher scoring got no batch: the dataset (or this rank's share of it) is empty.")
@@ -278,34 +457,55 @@ def fisher_scores(
     )
 
 
-def _watch_layers(
-    accumulator: _LayerAccumulator,
-    layers: nn.ModuleList,
-    fisher_params: str,
-    target_modules: Sequence[str] | None,
-    linear_grad: str,
+@dataclass
+class _Scope:
+    """Which base parameters of a decoder layer count in its score."""
+
+    fisher_params: str
+    target_modules: Sequence[str]
+    target_parameters: Sequence[str]
+
+    def names(self, module_name: str, tensor_names: Iterable[str]) -> list[str]:
+        """The module's own tensors in scope, from its name in the layer."""
+        if self.fisher_params == "layer":
+            return list(tensor_names)
+        if _in_scope(module_name, self.target_modules):
+            return list(tensor_names)
+        return [n for n in tensor_names if _in_scope(f"{module_name}.{n}", self.target_parameters)]
+
+
+def _watch_layer(
+    accumulator: _LayerAccumulator, index: int, layer_name: str, layer: nn.Module, scope: _Scope, linear_grad: str
 ) -> None:
-    for index, layer in enumerate(layers):
-        if fisher_params == "targets":
-            linears = _target_modules(layer, target_modules or ())
-            scoped = {id(p) for m in linears.values() for p in m.parameters(recurse=False)}
-        else:
-            linears = {
-                n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear) and not _is_adapter_parameter(n)
-            }
-            scoped = None
-        by_activations = set()
-        for linear in linears.values():
-            if _is_quantized_linear(linear) or (linear_grad == "activations" and isinstance(linear, nn.Linear)):
-                _check_trainable_layout(linear)
-                bias = getattr(linear, "bias", None)
-                accumulator.watch_linear(index, linear, with_bias=bias is not None)
-                by_activations.update(id(p) for p in linear.parameters(recurse=False))
-        for name, param in layer.named_parameters():
-            if _is_adapter_parameter(name) or id(param) in by_activations or not param.is_floating_point():
-                continue
-            if scoped is not None and id(param) not in scoped:
-                continue
+    """Hooks that score the layer's base parameters in scope, each module by the cheapest exact route it allows."""
+    for name, module in layer.named_modules():
+        if _is_adapter_parameter(name):
+            continue
+        tensors = _weight_tensors(module)
+        names = scope.names(name, tensors)
+        if not names:
+            continue
+        label = f"{layer_name}.{name}" if name else layer_name
+        if is_linear_like(module) and (linear_grad == "activations" or not _has_autograd_weight(module)):
+            # Weight and bias from x and g, whatever holds the weight (packed buffers, tensor subclasses, shards).
+            _check_trainable_layout(module)
+            accumulator.watch_linear(index, label, module, with_bias=getattr(module, "bias", None) is not None)
+            continue
+        unscorable = [
+            n for n in names if not (isinstance(tensors[n], nn.Parameter) and tensors[n].is_floating_point())
+        ]
+        if unscorable:
+            raise ValueError(
+                f"{label} ({type(module).__name__}) holds weights {unscorable} that Fisher scoring cannot reach: "
+                "they are buffers or non-float tensors (a quantized format), and the module is not linear-like "
+                "(no in_features/out_features), so neither autograd nor its input and output gradient give their "
+                "gradient. Load this model unquantized for scoring, or pass scores computed elsewhere (scores_path)."
+            )
+        if linear_grad == "activations":
+            accumulator.watch_module(index, label, module, names)
+            continue
+        for n in names:
+            param = tensors[n]
             param.requires_grad_(True)
             param.grad = None
             accumulator.watch_parameter(index, param)

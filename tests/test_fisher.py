@@ -204,3 +204,31 @@ def test_4bit_weights_in_float_storage_are_scored_as_quantized(tmp_path, storage
         assert weight.dtype == quant_storage
         scores.append(fisher_scores(model, batches, num_batches=2).scores)
     torch.testing.assert_close(torch.tensor(scores[1]), torch.tensor(scores[0]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("fisher_params", ["layer", "targets"])
+def test_activations_mode_forms_no_parameter_gradient(fisher_params):
+    # The mode sharded training scores with: norms (and any non-linear parameter) by a local re-run, linears by x/g;
+    # no base parameter may require or hold a gradient at any point, and the scores are those of autograd.
+    batches = make_batches()
+    targets = TARGETS if fisher_params == "targets" else None
+    model = tiny_llama()
+    seen = []
+
+    def watching_loss(model, batch):
+        seen.append([n for n, p in model.named_parameters() if p.requires_grad or p.grad is not None])
+        return model(**batch).loss
+
+    activations = fisher_scores(
+        model,
+        batches,
+        3,
+        loss_fn=watching_loss,
+        fisher_params=fisher_params,
+        target_modules=targets,
+        linear_grad="activations",
+        progress=False,
+    ).scores
+    assert seen == [[], [], []]
+    assert all(p.grad is None for p in model.parameters())
+    assert_close(activations, brute_force_scores(tiny_llama(), batches, targets))
