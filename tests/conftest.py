@@ -5,9 +5,10 @@ import string
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 
+GPT2_TARGETS = ["c_attn", "c_fc"]  # GPT-2's Conv1D linears: weight (in, out)
 TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = list(string.printable[:95])
@@ -40,6 +41,25 @@ def tiny_llama(
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
+
+
+def tiny_gpt2(num_layers: int = 4, seed: int = 0, dropout: float = 0.0, vocab_size: int = 96) -> GPT2LMHeadModel:
+    """A GPT-2-style model: Conv1D projections, LayerNorm with biases, nn.Dropout modules at rate ``dropout``."""
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=64,
+        n_embd=32,
+        n_layer=num_layers,
+        n_head=4,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config).eval()
 
 
 @pytest.fixture

@@ -1,15 +1,16 @@
 """fisher_scores against a brute-force reference: full per-batch gradients of every layer parameter, summed."""
 
 import os
+from unittest import mock
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import TARGETS, tiny_llama
+from conftest import GPT2_TARGETS, TARGETS, tiny_gpt2, tiny_llama
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from fora_plugin.fisher import find_decoder_layers, fisher_scores, squared_norm_of_outer_sum
+from fora_plugin.fisher import _LayerAccumulator, find_decoder_layers, fisher_scores, squared_norm_of_outer_sum
 
 
 def make_batches(n=3, batch=2, length=10, seed=0, masked_prefix=0):
@@ -232,3 +233,68 @@ def test_activations_mode_forms_no_parameter_gradient(fisher_params):
     assert seen == [[], [], []]
     assert all(p.grad is None for p in model.parameters())
     assert_close(activations, brute_force_scores(tiny_llama(), batches, targets))
+
+
+def _count_forwards(module):
+    calls = []
+    module.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_dropout_is_off_while_scoring_and_checkpointing_still_applies(family):
+    # With dropout > 0 in the config, scores were a random sample: they changed with the seed. They must be the
+    # dropout-free scores (brute force in eval mode), while train mode still makes checkpointing recompute layers.
+    batches = make_batches()
+
+    def build():
+        if family == "gpt2":
+            return tiny_gpt2(dropout=0.1)
+        model = tiny_llama()
+        model.config.attention_dropout = 0.1
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.1
+        return model
+
+    expected = brute_force_scores(build().eval(), batches)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = build()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        _, layers = find_decoder_layers(model)
+        calls = _count_forwards(next(layers[1].children()))  # inside the checkpointed forward
+        assert_close(fisher_scores(model, batches, 3, progress=False).scores, expected)
+        assert len(calls) == 2 * len(batches)  # the forward, then the recompute in backward
+    torch.manual_seed(2)
+    activations = fisher_scores(build(), batches, 3, linear_grad="activations", progress=False).scores
+    assert_close(activations, expected)
+
+
+@pytest.mark.parametrize("linear_grad", ["auto", "activations"])
+@pytest.mark.parametrize("fisher_params", ["layer", "targets"])
+def test_gpt2_conv1d_layers_score_like_brute_force(fisher_params, linear_grad):
+    batches = make_batches()
+    targets = GPT2_TARGETS if fisher_params == "targets" else None
+    result = fisher_scores(
+        tiny_gpt2(),
+        batches,
+        3,
+        fisher_params=fisher_params,
+        target_modules=targets,
+        linear_grad=linear_grad,
+        progress=False,
+    )
+    assert result.layer_prefix == "transformer.h"
+    assert_close(result.scores, brute_force_scores(tiny_gpt2(), batches, targets))
+
+
+def test_contributions_from_another_device_are_moved_to_the_totals_device():
+    # device_map="auto": a layer on another device computes its part there; it is added on the totals' device.
+    # (A second real device is not available on a CPU-only machine: the contribution is a stand-in that records
+    # where it is moved to.)
+    accumulator = _LayerAccumulator(2, torch.device("cpu"))
+    elsewhere = mock.MagicMock()
+    elsewhere.to.return_value = torch.tensor(3.0)
+    accumulator.add(1, elsewhere)
+    elsewhere.to.assert_called_once_with(accumulator.totals.device)
+    assert accumulator.totals.tolist() == [0.0, 3.0]
