@@ -13,21 +13,31 @@ Overridden, and why:
 - ``create_optimizer``: the single AdamW + Cayley-Adam optimizer (``build_fora_optimizer``; under DeepSpeed its
   ZeRO client form).
 - ``log``: adds the largest ‖BᵀB − I‖ and the mean effective rank of ΔW to every log, and the selection once.
-- ``train``: refuses to resume a checkpoint trained on other layers; notes the checkpoint for the Cayley state.
+- ``train``: refuses to resume a checkpoint trained on other layers, or one whose state files are truncated; notes
+  the checkpoint for the Cayley state.
+
+Scoring runs the way a training step does (:func:`score_on_trainer`): the activation checkpointing and the autocast
+that ``Trainer.train`` switches on, and, under fp16, a loss scale so that small gradients do not underflow.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import math
 import os
+import zipfile
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel
 from torch import nn
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_utils import get_last_checkpoint
+from transformers.utils import strtobool
 from trl import SFTTrainer
 
 from .config import FoRAConfig
@@ -61,14 +71,21 @@ __all__ = [
     "FoRASFTTrainer",
     "FoRASelection",
     "ZeroStiefelCallback",
+    "check_checkpoint_files",
+    "check_fsdp",
+    "check_init_lora_weights",
+    "check_learning_rate",
     "fora_optimizer",
     "format_selection_table",
     "prepare_deepspeed",
     "score_on_trainer",
+    "checkpoint_as_in_training",
 ]
 
 # transformers.Trainer's default optimizers, which FoRA's optimizer replaces with the same AdamW maths.
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+# Loss scales tried in turn while scoring under fp16: GradScaler's initial scale first, lower ones if it overflows.
+_FP16_LOSS_SCALES = (2.0**16, 2.0**8, 1.0)
 # What a compute_loss call changes besides returning the loss: TRL's training metrics and token count. (Axolotl's
 # token counters start again with the TrainerState that train() creates.)
 _LOSS_SIDE_EFFECTS = ("_metrics", "_total_train_tokens")
@@ -79,30 +96,75 @@ def score_on_trainer(
 ) -> FisherScores:
     """Fisher scores of ``model`` on ``trainer``'s own train batches through its ``compute_loss``.
 
-    The batches are the ones training will see (dataset processing, completion masks, packing, collator), and the
-    loss is the training loss. ``model`` is the base model, or a PeftModel whose adapters are off while it is scored.
+    The batches are the ones training will see (dataset processing, completion masks, packing, collator), the loss is
+    the training loss, and the passes run as training steps will: activation checkpointing if training has it
+    (:func:`checkpoint_as_in_training`), accelerate's mixed-precision autocast around each forward. ``model`` is the
+    base model, or a PeftModel whose adapters are off while it is scored.
+
+    Under fp16 (``args.fp16``, or fp16 base weights) the loss is multiplied by a scale before the backward, as a
+    GradScaler does, and the squared norms divided by its square: fp16 flushes gradients below 6e-8 to zero, which
+    would bias the scores towards the layers with large gradients. The scale starts at GradScaler's 2**16 and is
+    lowered if a gradient overflows (non-finite scores), as GradScaler would.
     """
     targets = _target_names(peft_config) if fora.fisher_params == "targets" else None
     saved = {name: copy.deepcopy(getattr(trainer, name)) for name in _LOSS_SIDE_EFFECTS if hasattr(trainer, name)}
-
-    def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
-        return trainer.compute_loss(model, trainer._prepare_inputs(batch))
-
+    scales = _FP16_LOSS_SCALES if _uses_fp16(trainer, model) else (1.0,)
     try:
-        return fisher_scores(
-            model,
-            trainer.get_train_dataloader(),
-            fora.fisher_batches,
-            loss_fn=loss_fn,
-            fisher_params=fora.fisher_params,
-            target_modules=targets,
-            autocast=trainer.compute_loss_context_manager,
-            progress=trainer.is_local_process_zero() and not trainer.args.disable_tqdm,
-        )
+        checkpoint_as_in_training(trainer)
+        for scale in scales:
+
+            def loss_fn(model: nn.Module, batch: dict, scale: float = scale) -> torch.Tensor:
+                return trainer.compute_loss(model, trainer._prepare_inputs(batch)) * scale
+
+            scores = fisher_scores(
+                model,
+                trainer.get_train_dataloader(),
+                fora.fisher_batches,
+                loss_fn=loss_fn,
+                fisher_params=fora.fisher_params,
+                target_modules=targets,
+                # The mixed-precision autocast accelerate's prepare_model puts around every training forward
+                # (compute_loss_context_manager is a null context in transformers 5).
+                autocast=trainer.accelerator.autocast,
+                progress=trainer.is_local_process_zero() and not trainer.args.disable_tqdm,
+            )
+            if all(math.isfinite(s) for s in scores.scores):
+                break
     finally:
         # Scoring batches are not training.
         for name, value in saved.items():
             setattr(trainer, name, value)
+    if not all(math.isfinite(s) for s in scores.scores):
+        raise ValueError(
+            f"The Fisher scores are not finite ({scores.scores}): the loss or its gradients are NaN/inf on the "
+            "scoring batches, so the layers cannot be chosen. Check the model weights and the data (an fp16 model "
+            "that overflows: load it in bf16 or fp32)."
+        )
+    if scale != 1.0:
+        scores = dataclasses.replace(scores, scores=[s / scale**2 for s in scores.scores])
+        scores.extra["loss_scale"] = scale
+    return scores
+
+
+def checkpoint_as_in_training(trainer: Trainer) -> None:
+    """Switch activation checkpointing on now if ``trainer.train()`` will, with the call ``Trainer.train`` makes.
+
+    FoRA scores before ``train()`` (in ``__init__``, or Axolotl's ``post_trainer_create``): without this, scoring keeps
+    every layer's activations, far more memory than a checkpointed training step. It is left on, as ``train()``
+    would switch it on anyway.
+    """
+    args, model = trainer.args, trainer.model
+    if args.activation_checkpointing and not model.is_activation_checkpointing:
+        kwargs = dict(args.activation_checkpointing_kwargs or {})
+        every_n_layers = kwargs.pop("every_n_layers", 1)
+        offload = kwargs.pop("offload", False)
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
+        )
+
+
+def _uses_fp16(trainer: Trainer, model: nn.Module) -> bool:
+    return bool(trainer.args.fp16) or any(p.dtype == torch.float16 for p in model.parameters())
 
 
 def fora_optimizer(trainer: Trainer, model: nn.Module, fora: FoRAConfig) -> FoRAOptimizer | ZeroFoRAOptimizer:
@@ -236,10 +298,14 @@ class FoRASFTTrainer(SFTTrainer):
             )
         self.fora_selection: FoRASelection | None = None
         self._fora_logs: FoRALogs | None = None
+        if args is not None:
+            check_learning_rate(args.learning_rate)
         if fora_config.mode == "lora":
             super().__init__(model, args, *pos, peft_config=peft_config, **kwargs)
             return
         _check_lora_config(peft_config, fora_config)
+        if args is not None:
+            check_fsdp(args, fora_config)
         if kwargs.get("optimizers", (None, None))[0] is not None:
             raise ValueError(
                 "FoRASFTTrainer builds its own optimizer (AdamW for lora_A, Cayley-Adam for lora_B): "
@@ -290,6 +356,8 @@ class FoRASFTTrainer(SFTTrainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         checkpoint = _resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         self._fora_resume = checkpoint
+        if checkpoint is not None:
+            check_checkpoint_files(checkpoint)
         if checkpoint is not None and self.fora_selection is not None and self.fora_config.selects_layers:
             saved = FoRASelection.read(checkpoint)
             if saved["chosen_layers"] != self.fora_selection.chosen:
@@ -298,7 +366,108 @@ class FoRASFTTrainer(SFTTrainer):
                     f"trainer adapts layers {self.fora_selection.chosen}. Build the trainer with "
                     f"args.resume_from_checkpoint={str(checkpoint)!r} so it reuses the checkpoint's selection."
                 )
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        # The resolved folder: Trainer.train reads a string such as "true" (from the command line) as a path.
+        return super().train(checkpoint, *args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------- checks
+# PEFT 0.21's init_lora_weights that leave the base weights as they are. FoRA scores the base model and then rebuilds
+# the adapter on the chosen layers with the same LoraConfig, so the init runs on a base it must not have changed.
+BASE_PRESERVING_INITS = (True, False, "gaussian", "orthogonal")
+# The others, and why FoRA cannot take them. pissa (and pissa_niter_N), olora, corda, loftq and lora_ga subtract the
+# initial adapter from the base weights (W <- W - s·BA) when the model is wrapped.
+_BASE_CHANGING_INITS = {
+    "pissa": "subtracts",
+    "olora": "subtracts",
+    "corda": "subtracts",
+    "loftq": "subtracts",
+    "lora_ga": "subtracts",
+    "eva": "data",
+    "mica": "frozen",
+}
+_INIT_REASONS = {
+    "subtracts": "it subtracts the initial adapter from the base weights when the model is wrapped, and FoRA "
+    "would score that residual model and then rebuild the adapter on the chosen layers over a base that lost it",
+    "data": "its data-driven initialisation runs on the wrapped model, and FoRA rebuilds the adapter on the chosen "
+    "layers afterwards",
+    "frozen": "it freezes lora_B, which FoRA trains",
+}
+
+
+def check_init_lora_weights(value: Any, fora: FoRAConfig, name: str = "LoraConfig.init_lora_weights") -> None:
+    """Refuse a LoRA initialisation FoRA cannot rebuild on the chosen layers (see ``BASE_PRESERVING_INITS``).
+
+    Call it before the model is wrapped: once PiSSA-like inits have run, the base weights are already changed.
+    """
+    if fora.mode == "lora" or any(
+        value is ok or (isinstance(value, str) and value == ok) for ok in BASE_PRESERVING_INITS
+    ):
+        return
+    kind = _BASE_CHANGING_INITS.get(value.split("_niter_")[0] if isinstance(value, str) else None)
+    reason = _INIT_REASONS[kind] if kind else "it is not one of PEFT 0.21's initialisations FoRA knows"
+    raise ValueError(
+        f"{name}={value!r} cannot be combined with mode={fora.mode!r}: {reason}. Use one of "
+        f"{BASE_PRESERVING_INITS} (they leave the base weights untouched), or mode='lora' for {value!r} on every "
+        "layer."
+    )
+
+
+def check_learning_rate(value: Any, name: str = "learning_rate") -> None:
+    """Refuse a learning rate that is not a finite number >= 0: a NaN or inf rate turns every adapter weight NaN."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}={value!r} is invalid: use a finite float >= 0 (the paper uses 2e-4).")
+
+
+def check_fsdp(args: Any, fora: FoRAConfig) -> None:
+    """Refuse FSDP (1 and 2) up front, from the training arguments or an ``accelerate launch`` FSDP config.
+
+    FSDP shards every parameter by rows, lora_B included, but a Cayley step needs whole lora_B matrices; the Fisher
+    scoring and the Stiefel init have not been checked under it either.
+    """
+    if fora.mode == "lora":
+        return
+    if args.fsdp:  # True after TrainingArguments.__post_init__ when `fsdp` or an FSDP `fsdp_config` is set
+        version = int((args.fsdp_config or {}).get("version", 2))
+        setting = f"fsdp={args.fsdp!r} (FSDP{version}, fsdp_config={args.fsdp_config!r})"
+    elif strtobool(os.environ.get("ACCELERATE_USE_FSDP", "false")):
+        version = int(os.environ.get("FSDP_VERSION", "1"))
+        setting = f"ACCELERATE_USE_FSDP=true (FSDP{version}, from `accelerate launch` / its config file)"
+    else:
+        return
+    raise ValueError(
+        f"{setting} cannot be combined with mode={fora.mode!r}: FSDP shards lora_B by rows, but a Cayley step "
+        "needs whole lora_B matrices, so FoRA does not support FSDP yet. Use DDP or DeepSpeed ZeRO-1/2 (no fsdp "
+        "setting), or mode='lora'."
+    )
+
+
+def check_checkpoint_files(checkpoint: str | os.PathLike) -> None:
+    """Refuse to resume from a checkpoint whose saved optimizer/scheduler/Cayley state is cut short or corrupt.
+
+    A save interrupted by a crash or a full disk leaves a truncated file, which ``torch.load`` reports with a zip
+    reader traceback that names neither the file nor the fix. torch saves a zip archive: its directory is at the end
+    and every member has a CRC, so reading it through checks the whole file.
+    """
+    for name in (OPTIMIZER_NAME, SCHEDULER_NAME, STIEFEL_STATE_FILE):
+        path = os.path.join(checkpoint, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path, "rb") as file:
+            head = file.read(4)
+        if head and head != b"PK\x03\x04":
+            continue  # torch's legacy (non-zip) format: torch.load checks it
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad_member = archive.testzip()
+            problem = None if bad_member is None else f"member {bad_member} fails its CRC check"
+        except (zipfile.BadZipFile, OSError, EOFError) as err:
+            problem = f"{type(err).__name__}: {err}"
+        if problem is not None:
+            raise ValueError(
+                f"Cannot resume from {checkpoint}: {path} is truncated or corrupt ({problem}), probably a save cut "
+                "short by a crash or a full disk. Resume from an earlier checkpoint (resume_from_checkpoint=<its "
+                "folder>, after deleting this one), or start a new run in an empty output_dir."
+            )
 
 
 def _check_lora_config(config: LoraConfig, fora: FoRAConfig) -> None:
@@ -318,6 +487,7 @@ def _check_lora_config(config: LoraConfig, fora: FoRAConfig) -> None:
             f"LoraConfig.use_dora=True cannot be combined with mode={fora.mode!r}: DoRA's magnitude "
             "rescales lora_B's columns. Use use_dora=False, or mode='fg-lora'."
         )
+    check_init_lora_weights(config.init_lora_weights, fora)
 
 
 def _target_names(config: LoraConfig | None) -> list[str] | None:

@@ -1,5 +1,6 @@
 """FoRASFTTrainer on a tiny Llama with a character tokenizer and prompt/completion data."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -256,3 +257,117 @@ def test_bad_inputs_fail_loudly_with_the_value(tmp_path):
         make_trainer(tmp_path, optim="sgd")
     with pytest.warns(UserWarning, match=r"fisher_batches=50 but only 9 batches"):
         make_trainer(tmp_path, FoRAConfig(fisher_batches=50))
+
+
+# ------------------------------------------------------------------------------------ scoring runs like training
+class LayerProbe:
+    """Records every forward of a module inside a decoder layer: autocast on, its dtype, and how many times it ran.
+
+    Under activation checkpointing the inside of a layer runs twice per batch (the forward, then its recompute in the
+    backward); hooks on the layer itself stay outside the checkpoint.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.calls: list[tuple[bool, torch.dtype | None]] = []
+        module.register_forward_pre_hook(self.record)
+
+    def record(self, module, args) -> None:
+        autocast = torch.is_autocast_enabled("cpu")
+        self.calls.append((autocast, torch.get_autocast_dtype("cpu") if autocast else None))
+
+    def take(self) -> list[tuple[bool, torch.dtype | None]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+@pytest.mark.parametrize(("checkpointing", "bf16"), [(True, True), (False, False)])
+def test_scoring_runs_with_the_checkpointing_and_autocast_of_a_training_step(tmp_path, checkpointing, bf16):
+    model = tiny_llama(LAYERS, vocab_size=VOCAB)  # stored in fp32: bf16 comes from the autocast only
+    probe = LayerProbe(model.model.layers[0].mlp)
+    trainer = FoRASFTTrainer(
+        model,
+        sft_args(tmp_path, gradient_checkpointing=checkpointing, bf16=bf16, max_steps=2),
+        train_dataset=sums_dataset(),
+        processing_class=char_tokenizer(),
+        peft_config=lora_config(),
+        fora_config=FoRAConfig(fisher_batches=3),
+    )
+    scoring = probe.take()
+    trainer.train()
+    training = probe.take()
+    runs_per_batch = 2 if checkpointing else 1
+    assert len(scoring) == 3 * runs_per_batch and len(training) == 2 * runs_per_batch
+    expected = (True, torch.bfloat16) if bf16 else (False, None)
+    assert set(scoring) == set(training) == {expected}
+
+
+def test_fp16_scores_are_loss_scaled_to_the_fp32_scores(tmp_path):
+    # A small lm_head makes every gradient tiny (~1e-9 squared per layer): fp16 flushes many of them to zero.
+    fp32 = tiny_llama(LAYERS, vocab_size=VOCAB)
+    with torch.no_grad():
+        fp32.lm_head.weight.mul_(1e-4)
+    trainer = FoRASFTTrainer(
+        copy.deepcopy(fp32).half(),
+        sft_args(tmp_path, train_sampling_strategy="sequential"),
+        train_dataset=sums_dataset(),
+        processing_class=char_tokenizer(),
+        peft_config=lora_config(),
+        fora_config=FoRAConfig(fisher_batches=2),
+    )
+    batches = list(trainer.get_train_dataloader())[:2]
+    # The reference: the same fp16-rounded weights, scored in fp32.
+    reference = fisher_scores(copy.deepcopy(fp32).half().float(), batches, 2, progress=False).scores
+    assert trainer.fora_selection.scores.scores == pytest.approx(reference, rel=2e-2)
+    assert trainer.fora_selection.scores.extra["loss_scale"] == 2.0**16
+
+
+# ----------------------------------------------------------------------------------- settings refused up front
+# (A LoraConfig with init_lora_weights="loftq" needs scipy, absent here: test_axolotl refuses loftq_config.)
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "lora_ga", "eva", "mica"])
+def test_inits_that_change_the_base_or_lora_b_are_refused_before_wrapping(tmp_path, init):
+    base = tiny_llama(LAYERS, vocab_size=VOCAB)
+    weights = {n: p.detach().clone() for n, p in base.named_parameters()}
+    with pytest.raises(
+        ValueError, match=rf"init_lora_weights='{init}' cannot be combined with mode='fora'.*Use one of"
+    ):
+        FoRASFTTrainer(
+            base,
+            sft_args(tmp_path),
+            train_dataset=sums_dataset(),
+            processing_class=char_tokenizer(),
+            peft_config=lora_config(init_lora_weights=init),
+        )
+    assert all(torch.equal(p, weights[n]) for n, p in base.named_parameters())  # refused before any wrap
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "orthogonal"])
+def test_inits_that_keep_the_base_are_accepted_and_the_base_is_scored_unchanged(tmp_path, init):
+    trainer = make_trainer(
+        tmp_path, peft_config=lora_config(init_lora_weights=init), train_sampling_strategy="sequential"
+    )
+    batches = list(trainer.get_train_dataloader())[:3]
+    reference = fisher_scores(tiny_llama(LAYERS, vocab_size=VOCAB), batches, 3, progress=False).scores
+    assert trainer.fora_selection.scores.scores == pytest.approx(reference, rel=1e-4)
+    base = tiny_llama(LAYERS, vocab_size=VOCAB).state_dict()
+    for name, weight in trainer.model.get_base_model().state_dict().items():
+        key = name.replace(".base_layer", "")
+        if key in base:
+            assert torch.equal(weight, base[key]), name
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1e-3])
+def test_a_learning_rate_that_is_not_finite_and_nonnegative_is_refused(tmp_path, value):
+    for mode in ("fora", "lora"):
+        with pytest.raises(ValueError, match=rf"learning_rate={value!r} is invalid: use a finite float >= 0"):
+            make_trainer(tmp_path, FoRAConfig(mode=mode), learning_rate=value)
+
+
+def test_fsdp_is_refused_up_front(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"fsdp=True \(FSDP2, fsdp_config=.*cannot be combined with mode='fora'"):
+        make_trainer(tmp_path, fsdp="full_shard", fsdp_config={"version": 2})
+    with pytest.raises(ValueError, match=r"\(FSDP1, fsdp_config=.*FoRA does not support FSDP yet"):
+        make_trainer(tmp_path, fsdp="full_shard", fsdp_config={"version": 1})
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    with pytest.raises(ValueError, match=r"ACCELERATE_USE_FSDP=true \(FSDP2, from `accelerate launch`"):
+        make_trainer(tmp_path)
