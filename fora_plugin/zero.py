@@ -26,9 +26,11 @@ it; FoRASFTTrainer writes it to ``STIEFEL_STATE_FILE`` in every checkpoint and r
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +44,14 @@ from .optim import CayleyAdam, fora_optimizer_parts, stiefel_step_with_gradients
 
 __all__ = [
     "STIEFEL_STATE_FILE",
+    "Zero3FoRAOptimizer",
     "ZeroFoRAOptimizer",
+    "build_zero3_fora_optimizer",
     "build_zero_fora_optimizer",
     "find_zero_client",
     "check_deepspeed_config",
     "load_deepspeed_config",
+    "zero3_scoring_engine",
 ]
 
 # Marks the first Euclidean group (see ZeroFoRAOptimizer.__init__).
@@ -254,10 +259,10 @@ def build_zero_fora_optimizer(
     )
 
 
-def find_zero_client(optimizer: Any) -> ZeroFoRAOptimizer | None:
-    """The ZeroFoRAOptimizer inside a trainer's optimizer (accelerate's wrapper, then DeepSpeed's), if any."""
+def find_zero_client(optimizer: Any) -> ZeroFoRAOptimizer | Zero3FoRAOptimizer | None:
+    """FoRA's DeepSpeed client optimizer inside a trainer's optimizer (accelerate's wrapper, then DeepSpeed's)."""
     for _ in range(3):
-        if isinstance(optimizer, ZeroFoRAOptimizer):
+        if isinstance(optimizer, (ZeroFoRAOptimizer, Zero3FoRAOptimizer)):
             return optimizer
         optimizer = getattr(optimizer, "optimizer", None)
     return None
@@ -282,6 +287,252 @@ def _averaged_gradients(params: list[torch.Tensor], group: dist.ProcessGroup | N
     return [g.view_as(p) if count > 0 else None for g, p, count in zip(grads, params, counts.tolist())]
 
 
+# --------------------------------------------------------------------------------------------------- ZeRO-3
+class Zero3FoRAOptimizer(AdamW):
+    """The client optimizer to hand DeepSpeed ZeRO-3: AdamW groups, and Stiefel groups stepped whole by Cayley-Adam.
+
+    Unlike ZeRO-1/2 (:class:`ZeroFoRAOptimizer`), the Stiefel ``lora_B`` stay in DeepSpeed's groups here: ZeRO-3
+    partitions every parameter, the module's included, so a replica beside the partition would undo what ZeRO-3 is
+    for. DeepSpeed then gives ``lora_B``'s gradients its own reduce-scatter, clips every group by one global norm
+    (``gradient_clipping``: lora_A and lora_B together, before the client's ``step``) and skips the whole step on all
+    ranks when that norm is not finite. What ZeRO-3 hands the client for a group is one flat fp32 partition per
+    sub-group, cut without regard to rows, so the Cayley step for a Stiefel group:
+
+    - all-gathers the sub-group's fp32 partition and its (averaged, clipped) gradient in one collective, and cuts
+      every whole ``lora_B`` and its gradient out of it (DeepSpeed's layout: rank k holds elements
+      ``[kP, (k+1)P)`` of each parameter, ``P = ceil(numel / world)``);
+    - runs the ordinary Cayley-Adam step (:func:`~fora_plugin.optim.stiefel_step_with_gradients`) on every rank
+      alike, on fp32 copies (the Gram matrices and the 2r x 2r solve need fp32), at the group's scheduled lr;
+    - writes each rank's own slice of the new ``lora_B`` back into the fp32 partition, which DeepSpeed copies into the
+      module's (bf16) partition right after.
+
+    Every rank holds the full fp32 ``lora_B`` (``stiefel_parameters``, refreshed from the partition at each step)
+    and its Cayley-Adam moments: 2 x 4 bytes per ``lora_B`` entry, small next to the model (a 4096 x 32 ``lora_B`` is
+    0.5 MB). ``lora_B`` itself cannot drift between ranks: the partition is the truth and is gathered again at every
+    step. The Cayley state is kept out of DeepSpeed's checkpoint like under ZeRO-1/2:
+    :meth:`stiefel_state_dict` / :meth:`load_stiefel_state_dict`.
+
+    Args:
+        params: param groups; a group with ``"stiefel": True`` is stepped by Cayley-Adam.
+        stiefel_defaults: :class:`~fora_plugin.optim.CayleyAdam` keyword arguments for the Stiefel groups.
+        max_grad_norm: the clipping norm the run asks for; :meth:`bind` checks that DeepSpeed's
+            ``gradient_clipping`` is the same (DeepSpeed does the clipping under ZeRO-3).
+        **adamw_kwargs: ``torch.optim.AdamW`` keyword arguments for the other groups.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[dict[str, Any]],
+        stiefel_defaults: Mapping[str, Any] | None = None,
+        *,
+        max_grad_norm: float = 0.0,
+        **adamw_kwargs: Any,
+    ) -> None:
+        if not isinstance(max_grad_norm, (int, float)) or max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm!r} is invalid: use a float >= 0 (0 = no clipping).")
+        groups = [dict(group) for group in params]
+        stiefel_defaults = dict(stiefel_defaults or {})
+        stiefel_groups = []
+        for group in groups:
+            if group.get("stiefel"):
+                # The Cayley hyperparameters ride in DeepSpeed's group, so the LR scheduler scales this group's lr
+                # like the AdamW groups' and DeepSpeed's checkpoint keeps them.
+                for key, value in stiefel_defaults.items():
+                    group.setdefault(key, value)
+                group[_STIEFEL_INDEX] = len(stiefel_groups)
+                stiefel_groups.append(group)
+        super().__init__(groups, **adamw_kwargs)
+        # One fp32 (d, r) tensor per lora_B, keyed by the module's parameter: the point Cayley-Adam steps. Under
+        # zero.Init the parameter is already partitioned (its shape is empty; ds_shape holds the real one).
+        self._full: dict[torch.Tensor, torch.Tensor] = {}
+        cayley_groups = []
+        for group in stiefel_groups:
+            full = [self._full_copy(p) for p in group["params"]]
+            self._full.update(zip(group["params"], full))
+            hyper = {key: group[key] for key in _CAYLEY_KEYS if key in group}
+            cayley_groups.append({"params": full, **hyper})
+        if not cayley_groups:
+            raise ValueError(
+                "Zero3FoRAOptimizer got no group with stiefel=True: build the ordinary optimizer "
+                "(build_fora_optimizer) for a model without Stiefel lora_B."
+            )
+        self.stiefel = CayleyAdam(cayley_groups)
+        self.max_grad_norm = float(max_grad_norm)
+        self.steps = 0
+        self.last_grad_norm: float | None = None
+        self.bytes_gathered = 0  # what this rank received in the Stiefel all-gathers, for the cost figures
+
+    @staticmethod
+    def _full_copy(p: torch.Tensor) -> torch.Tensor:
+        shape = tuple(getattr(p, "ds_shape", p.shape))
+        if len(shape) != 2:
+            raise ValueError(f"A Stiefel lora_B has shape {shape}: Cayley-Adam steps 2-D (d_out, r) matrices.")
+        if tuple(p.shape) == shape:
+            return p.detach().float().clone()
+        return torch.zeros(shape, dtype=torch.float32, device=p.device)  # partitioned: filled at the first step
+
+    @property
+    def stiefel_parameters(self) -> list[torch.Tensor]:
+        """The full fp32 ``lora_B`` (every rank holds them all), as of the last step."""
+        return [p for group in self.stiefel.param_groups for p in group["params"]]
+
+    def bind(self, engine_optimizer: Any) -> None:
+        """Check the DeepSpeed ZeRO-3 optimizer wrapping this one (``engine.optimizer``) against FoRA's settings.
+
+        Under ZeRO-3 DeepSpeed's own clipping is the right one (one norm over every group it holds, lora_B
+        included), so its ``clip_grad`` must equal ``max_grad_norm``; a Stiefel group must fit in one sub-group.
+        """
+        for attribute in ("fp16_groups", "fp32_partitioned_groups_flat", "sub_group_process_groups", "clip_grad"):
+            if not hasattr(engine_optimizer, attribute):
+                raise TypeError(
+                    f"{type(engine_optimizer).__name__} has no {attribute}: bind() takes the DeepSpeed ZeRO-3 "
+                    "optimizer (engine.optimizer) that wraps this Zero3FoRAOptimizer."
+                )
+        clip = float(engine_optimizer.clip_grad or 0.0)
+        if not math.isclose(clip, self.max_grad_norm):
+            raise ValueError(
+                f"DeepSpeed's gradient_clipping={clip} differs from FoRA's max_grad_norm={self.max_grad_norm}: under "
+                "ZeRO-3 DeepSpeed clips lora_A and lora_B by one norm, so set gradient_clipping to max_grad_norm "
+                '("auto" under HF Trainer).'
+            )
+        for group in self.param_groups:
+            if group.get("stiefel"):
+                self._sub_groups(engine_optimizer, group)
+
+    def _sub_groups(self, zero: Any, group: dict[str, Any]) -> list[int]:
+        index = group[_STIEFEL_INDEX]
+        members = {id(p) for p in self.stiefel.param_groups[index]["params"]}
+        params = [p for p, full in self._full.items() if id(full) in members]
+        found = sorted({i for i, sub in enumerate(zero.fp16_groups) for p in sub if any(p is q for q in params)})
+        if len(found) > 1:
+            numel = sum(full.numel() for full in self.stiefel.param_groups[index]["params"])
+            raise ValueError(
+                f"zero_optimization.sub_group_size splits FoRA's Stiefel group ({numel} elements) over {len(found)} "
+                f"sub-groups: set sub_group_size >= {numel} (DeepSpeed's default is 1e9)."
+            )
+        return found
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)  # the group keys (stiefel, the Cayley settings) come back with it
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        stiefel = [group for group in self.param_groups if group.get("stiefel")]
+        for group in stiefel:
+            for flat in group["params"]:  # DeepSpeed shows one sub-group's fp32 partition at a time
+                self._stiefel_step(group, flat)
+        # AdamW steps the other groups; DeepSpeed restores every group's params list after the call.
+        held = [group["params"] for group in stiefel]
+        for group in stiefel:
+            group["params"] = []
+        try:
+            return super().step(closure)
+        finally:
+            for group, params in zip(stiefel, held):
+                group["params"] = params
+
+    def _stiefel_step(self, group: dict[str, Any], flat: torch.Tensor) -> None:
+        """Gather whole lora_B and gradients of one sub-group, Cayley-Adam step, write this rank's slice back."""
+        zero = getattr(next(iter(self._full)), "_z3_optimizer", None)
+        flats = getattr(zero, "fp32_partitioned_groups_flat", ())
+        sub = next((i for i, f in enumerate(flats) if f is flat), None)
+        if sub is None:
+            raise TypeError(
+                "Zero3FoRAOptimizer.step() got a Stiefel group that is not a DeepSpeed ZeRO-3 partition: hand it to "
+                "deepspeed.initialize with zero_optimization.stage=3 (use build_fora_optimizer without DeepSpeed)."
+            )
+        if flat.grad is None:
+            return
+        params = zero.fp16_groups[sub]
+        process_group = zero.sub_group_process_groups[sub]
+        world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        sizes = [p.partition_numel() for p in params]
+        local = torch.stack((flat.detach().float(), flat.grad.float()))  # (2, S): fp32 partition and its gradient
+        gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
+        _all_gather_into_tensor(gathered, local.reshape(-1), group=process_group)
+        gathered = gathered.view(world, *local.shape)  # (W, 2, S)
+        self.bytes_gathered += (world - 1) * local.numel() * local.element_size()
+        grads = {}
+        for p, whole in zip(params, gathered.split(sizes, dim=-1)):  # whole: (W, 2, P)
+            full = self._full[p]
+            both = whole.transpose(0, 1).reshape(2, -1)[:, : full.numel()]  # (2, numel): rank k's slice at kP
+            full.copy_(both[0].view_as(full))
+            grads[full] = both[1].view_as(full)
+        cayley = self.stiefel.param_groups[group[_STIEFEL_INDEX]]
+        cayley["lr"] = group["lr"]  # the LR schedule's value for this group
+        stiefel_step_with_gradients(self.stiefel, grads)
+        offset = 0
+        for p, size in zip(params, sizes):
+            new = self._full[p].reshape(-1)
+            start = rank * size
+            valid = max(0, min(size, new.numel() - start))  # the last slice may be partly padding
+            flat.data[offset : offset + valid].copy_(new[start : start + valid])
+            offset += size
+        self.steps += 1
+        self.last_grad_norm = float(zero._global_grad_norm)
+
+    def stiefel_state_dict(self) -> dict[str, Any]:
+        """The Cayley-Adam state (moments, step counts), the same on every rank."""
+        return {"stiefel": self.stiefel.state_dict(), "steps": self.steps}
+
+    def load_stiefel_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        # lora_B itself comes back with DeepSpeed's checkpoint (the fp32 partition) and is gathered at each step.
+        self.stiefel.load_state_dict(state_dict["stiefel"])
+        self.steps = int(state_dict["steps"])
+
+
+@contextlib.contextmanager
+def zero3_scoring_engine(model: torch.nn.Module, deepspeed_config: Mapping[str, Any]) -> Iterator[Any]:
+    """ZeRO-3's parameter gathering around ``model`` without an optimizer, for Fisher scoring before training.
+
+    A model that ``zero.Init`` partitioned (HF's ``from_pretrained`` under a ZeRO-3 config) holds empty weights
+    outside a ZeRO-3 engine, so a forward fails. This builds an optimizer-less engine on it, as TRL does for its
+    ZeRO-3 reference models: its hooks gather each module's weights for forward and backward and release them after.
+    Score with ``fisher_scores(..., linear_grad="activations")``: linears are scored from their inputs and output
+    gradients, so no weight gradient (which the engine would neither reduce nor free) is formed. On exit the hooks
+    come off (``engine.destroy()``); the parameters stay partitioned, and ``deepspeed.initialize`` can build the
+    training engine on the model.
+
+    Yields the engine (calling ``model`` itself runs through the hooks).
+    """
+    import deepspeed
+
+    config = copy.deepcopy(dict(deepspeed_config))
+    zero = config.setdefault("zero_optimization", {})
+    if zero.get("stage") != 3:
+        raise ValueError(
+            f"zero3_scoring_engine needs a ZeRO-3 config, got zero_optimization.stage={zero.get('stage')!r}: "
+            "score a ZeRO-1/2 model directly (its weights are whole)."
+        )
+    # Training-only settings: without an optimizer DeepSpeed would build its own from them, and the batch sizes
+    # (HF's "auto" values, or a global batch for another world size) do not apply to scoring.
+    for key in ("optimizer", "scheduler", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping"):
+        config.pop(key, None)
+    zero.pop("offload_optimizer", None)
+    config["train_micro_batch_size_per_gpu"] = 1
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    try:
+        yield engine
+    finally:
+        engine.destroy()
+
+
+# torch 2.13 renamed it (and warns at every call of the old name); older versions have only the old one.
+_all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# Marks a Stiefel group of Zero3FoRAOptimizer with the index of its CayleyAdam group (survives load_state_dict).
+_STIEFEL_INDEX = "fora_stiefel_index"
+_CAYLEY_KEYS = ("lr", "betas", "eps", "qr_period", "cayley_solver", "cayley_iters")
+
+
+def build_zero3_fora_optimizer(
+    model: torch.nn.Module, *args: Any, max_grad_norm: float = 0.0, **kwargs: Any
+) -> Zero3FoRAOptimizer:
+    """FoRA's optimizer for ``model`` as a DeepSpeed ZeRO-3 client; other arguments as
+    :func:`fora_plugin.optim.fora_optimizer_parts`, so the groups and rates equal those of the single-process one."""
+    groups, adamw_defaults, stiefel_defaults = fora_optimizer_parts(model, *args, **kwargs)
+    return Zero3FoRAOptimizer(groups, stiefel_defaults, max_grad_norm=max_grad_norm, **adamw_defaults)
+
+
 # ---------------------------------------------------------------------------------------------- configuration
 def load_deepspeed_config(deepspeed: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     """A DeepSpeed config given as a path to a JSON file or as a dict."""
@@ -293,29 +544,32 @@ def load_deepspeed_config(deepspeed: str | Path | Mapping[str, Any]) -> dict[str
     return json.loads(path.read_text())
 
 
-def check_deepspeed_config(ds: Mapping[str, Any], fora: FoRAConfig, name: str = "deepspeed") -> None:
+def check_deepspeed_config(
+    ds: Mapping[str, Any], fora: FoRAConfig, name: str = "deepspeed", *, zero3: bool = False
+) -> None:
     """Refuse the DeepSpeed settings under which FoRA would silently become something else.
 
     ``name`` is how the caller's config spells the DeepSpeed setting, for the messages. ``mode="lora"`` is plain
-    LoRA and accepts anything DeepSpeed does.
+    LoRA and accepts anything DeepSpeed does. ``zero3``: the caller sets FoRA up for ZeRO-3 (scoring inside
+    :func:`zero3_scoring_engine`, the :class:`Zero3FoRAOptimizer` client); without it ZeRO-3 is refused.
     """
     if fora.mode == "lora":
         return
     zero = ds.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
-        raise ValueError(f"{name} has zero_optimization.stage={stage!r}: use 1 or 2 with FoRA (0-3 exist).")
-    if stage == 3:
+        raise ValueError(f"{name} has zero_optimization.stage={stage!r}: use 1, 2 or 3 with FoRA (0-3 exist).")
+    if stage == 3 and not zero3:
         raise ValueError(
-            f"{name} is ZeRO-3 (zero_optimization.stage=3): it shards the weights, but the Fisher score needs whole "
-            "base-weight gradients and a Cayley step whole lora_B matrices, so FoRA does not support ZeRO-3. Use "
-            "ZeRO-2 (example_configs/deepspeed/zero2.json), or mode 'lora'."
+            f"{name} is ZeRO-3 (zero_optimization.stage=3): it shards the weights, and this entry point does not set "
+            "FoRA up for it (Fisher scoring inside zero3_scoring_engine, the Zero3FoRAOptimizer client). Use ZeRO-2 "
+            "(example_configs/deepspeed/zero2.json), or mode 'lora'."
         )
     if not fora.uses_stiefel:
-        return  # fg-lora is LoRA with AdamW on the chosen layers: DeepSpeed's ZeRO-1/2 as it is.
+        return  # fg-lora is LoRA with AdamW on the chosen layers: DeepSpeed's ZeRO as it is.
     if stage == 0:
         raise ValueError(
-            f"{name} has zero_optimization.stage=0: FoRA's Stiefel lora_B are supported under ZeRO-1 and ZeRO-2. "
+            f"{name} has zero_optimization.stage=0: FoRA's Stiefel lora_B are supported under ZeRO-1, 2 and 3. "
             "Set stage 2 (example_configs/deepspeed/zero2.json), or train without DeepSpeed (plain DDP)."
         )
     if "optimizer" in ds:  # HF reads even `"optimizer": null` as a block
@@ -326,7 +580,17 @@ def check_deepspeed_config(ds: Mapping[str, Any], fora: FoRAConfig, name: str = 
             "lr_stiefel set the rates."
         )
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
-    if offload not in (None, "none") and ds.get("zero_force_ds_cpu_optimizer", True):
+    if stage == 3:
+        for key in ("offload_optimizer", "offload_param"):
+            device = (zero.get(key) or {}).get("device", "none")
+            if device not in (None, "none"):
+                raise ValueError(
+                    f"{name} has zero_optimization.{key}.device={device!r} under ZeRO-3: FoRA's gathered Cayley step "
+                    "for lora_B is not supported with ZeRO-3 offload. Remove the offload block "
+                    "(example_configs/deepspeed/zero3.json), or use ZeRO-2 with optimizer offload "
+                    "(example_configs/deepspeed/zero2_offload.json)."
+                )
+    elif offload not in (None, "none") and ds.get("zero_force_ds_cpu_optimizer", True):
         raise ValueError(
             f"{name} offloads the optimizer to {offload!r} with zero_force_ds_cpu_optimizer true (its default): "
             'DeepSpeed then replaces FoRA\'s optimizer by its CPU Adam. Add "zero_force_ds_cpu_optimizer": false '
@@ -334,6 +598,7 @@ def check_deepspeed_config(ds: Mapping[str, Any], fora: FoRAConfig, name: str = 
         )
     if (ds.get("fp16") or {}).get("enabled") is True:
         raise ValueError(
-            f"{name} enables fp16 (fp16.enabled={ds['fp16']['enabled']!r}): its loss scaling is applied to the "
-            "partitioned lora_A gradients only, not to the Stiefel lora_B. Use bf16 (the paper's setting) or fp32."
+            f"{name} enables fp16 (fp16.enabled={ds['fp16']['enabled']!r}): FoRA under DeepSpeed is checked in bf16 "
+            "(the paper's setting) and fp32 only; under ZeRO-1/2 the loss scaling would not reach the Stiefel "
+            "lora_B. Use bf16 or fp32."
         )

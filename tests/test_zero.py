@@ -1,5 +1,6 @@
 """FoRA under DeepSpeed ZeRO-1/2: two CPU ranks over gloo against a single-process run of the same global batches."""
 
+import math
 import os
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from fora_plugin.zero import (
 
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
+import zero3_engine  # noqa: E402
 import zero_engine  # noqa: E402
 
 
@@ -134,6 +136,91 @@ def test_tolerance_separates_a_wrong_clipping(single_process, tolerance, monkeyp
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_separately)
     wrong, _ = zero_engine.train_single_process()
     assert max((reference[k] - wrong[k]).abs().max().item() for k in reference) > 10 * tolerance
+
+
+# ------------------------------------------------------------------------------------------------------ ZeRO-3
+@pytest.fixture(scope="module")
+def zero3_runs(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("zero3")
+    torchrun(HERE / "distributed" / "zero3_engine.py", str(out))
+    runs = ("scores", *zero3_engine.VARIANTS)
+    return {run: [torch.load(out / f"{run}-rank{rank}.pt") for rank in range(zero_engine.WORLD)] for run in runs}
+
+
+@pytest.fixture(scope="module")
+def zero3_reference():
+    """The single-process run of the same global batches, skipping the step whose gradients were NaN, and its own
+    float noise (the same run with the micro-batch gradients summed in another order, as in ``tolerance``)."""
+    skip = {zero3_engine.NAN_STEP}
+    reference, losses = zero_engine.train_single_process(zero3_engine.build_model, skip_steps=skip)
+    original = zero_engine.micro_batch
+    try:
+        zero_engine.micro_batch = lambda b, r, m: original(b, zero_engine.WORLD - 1 - r, zero_engine.GAS - 1 - m)
+        reordered, _ = zero_engine.train_single_process(zero3_engine.build_model, skip_steps=skip)
+    finally:
+        zero_engine.micro_batch = original
+    noise = max((reference[k] - reordered[k]).abs().max().item() for k in reference)
+    return reference, losses, 5 * max(noise, 1e-6)
+
+
+@pytest.mark.slow
+def test_zero3_matches_single_process_run_of_the_same_global_batches(zero3_runs, zero3_reference):
+    reference, reference_losses, tolerance = zero3_reference
+    run = zero3_runs["zero3"][0]
+    kept = [i for i in range(zero_engine.STEPS) if i != zero3_engine.NAN_STEP]
+    assert [run["losses"][i] for i in kept] == pytest.approx([reference_losses[i] for i in kept], rel=1e-5)
+    # Nearly every step was clipped by DeepSpeed's one norm over lora_A and lora_B: the match covers the clipping.
+    clipped = [i for i in kept if run["grad_norms"][i] > zero_engine.MAX_GRAD_NORM]
+    assert len(clipped) >= len(kept) - 2, run["grad_norms"]
+    assert set(reference) == set(run["lora"])
+    for name, tensor in reference.items():
+        assert (run["lora"][name] - tensor).abs().max().item() < tolerance, name
+
+
+@pytest.mark.slow
+def test_zero3_tolerance_separates_a_step_not_skipped(zero3_runs, zero3_reference):
+    # Had the NaN step been applied anywhere (or its batch kept), the result would land far outside the tolerance.
+    reference, _, tolerance = zero3_reference
+    not_skipped, _ = zero_engine.train_single_process(zero3_engine.build_model)
+    assert max((reference[k] - not_skipped[k]).abs().max().item() for k in reference) > 10 * tolerance
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", zero3_engine.VARIANTS)
+def test_zero3_nan_step_is_skipped_on_every_rank(zero3_runs, variant):
+    rank0, rank1 = zero3_runs[variant]
+    expected = [i != zero3_engine.NAN_STEP for i in range(zero_engine.STEPS)]
+    assert rank0["applied"] == rank1["applied"] == expected
+    assert rank0["client_steps"] == rank1["client_steps"] == zero_engine.STEPS - 1
+    assert math.isnan(rank0["losses"][zero3_engine.NAN_STEP])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", zero3_engine.VARIANTS)
+def test_zero3_lora_b_orthonormal_and_ranks_agree(zero3_runs, variant):
+    rank0, rank1 = zero3_runs[variant]
+    assert rank0["module_dtype"] == ("torch.bfloat16" if variant.endswith("bf16") else "torch.float32")
+    # The up_proj lora_B is split unevenly and off row boundaries: 135 elements, 68 per rank (one of them padding).
+    assert rank0["uneven"] == {"numel": 135, "partition": 68, "shape": (45, 3)}
+    lora_b = {name: b for name, b in rank0["lora"].items() if "lora_B" in name}
+    assert any(zero3_engine.UNEVEN in name for name in lora_b)
+    assert max(orthogonality_error(b).item() for b in lora_b.values()) < 1e-5
+    # Each rank stepped whole copies of every lora_B: the same values, moments included.
+    for key in ("full_b", "exp_avg"):
+        assert all(torch.equal(a, b) for a, b in zip(rank0[key], rank1[key])), key
+    # ... and wrote them into DeepSpeed's fp32 partitions, which is what the module and checkpoints get.
+    assert all(torch.equal(full, b) for full, b in zip(rank0["full_b"], lora_b.values(), strict=True))
+
+
+@pytest.mark.slow
+def test_zero3_fisher_scores_equal_single_process_and_form_no_weight_gradient(zero3_runs):
+    rank0, rank1 = zero3_runs["scores"]
+    assert rank0["partitioned"]  # the base weights were zero.Init partitions while scored
+    assert rank0["scores"] == rank1["scores"]  # one all-reduce: the same selection on every rank
+    assert rank0["num_batches"] == zero3_engine.SCORE_BATCHES
+    assert rank0["scores"] == pytest.approx(zero3_engine.score_single_process(), rel=1e-5)
+    assert rank0["weights_requiring_grad"] == [] and rank0["grads_left"] == []
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +412,7 @@ STIEFEL = FoRAConfig(mode="fora")
 @pytest.mark.parametrize(
     ("ds", "match"),
     [
-        ({"zero_optimization": {"stage": 3}}, "ZeRO-3"),
+        ({"zero_optimization": {"stage": 3}}, "is ZeRO-3 \\(zero_optimization.stage=3\\): it shards the weights"),
         ({"zero_optimization": {"stage": 0}}, "stage=0"),
         ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}, "`optimizer` block \\('AdamW'\\)"),
         (
@@ -340,6 +427,18 @@ def test_refused_deepspeed_settings(ds, match):
         check_deepspeed_config(ds, STIEFEL)
 
 
+@pytest.mark.parametrize(
+    ("zero", "match"),
+    [
+        ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer.device='cpu' under ZeRO-3"),
+        ({"stage": 3, "offload_param": {"device": "nvme"}}, "offload_param.device='nvme' under ZeRO-3"),
+    ],
+)
+def test_refused_zero3_settings(zero, match):
+    with pytest.raises(ValueError, match=match):
+        check_deepspeed_config({"zero_optimization": zero, "zero_force_ds_cpu_optimizer": False}, STIEFEL, zero3=True)
+
+
 def test_accepted_deepspeed_settings():
     offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
     check_deepspeed_config({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, STIEFEL)
@@ -347,8 +446,11 @@ def test_accepted_deepspeed_settings():
     # fg-lora has no Stiefel lora_B: only ZeRO-3 (which shards the scored weights) is refused.
     with_optimizer = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}
     check_deepspeed_config(with_optimizer, FoRAConfig(mode="fg-lora"))
-    with pytest.raises(ValueError, match="ZeRO-3"):
-        check_deepspeed_config({"zero_optimization": {"stage": 3}}, FoRAConfig(mode="fg-lora"))
+    # ZeRO-3 only where the caller sets FoRA up for it (scoring engine, ZeRO-3 client).
+    for fora in (STIEFEL, FoRAConfig(mode="fg-lora")):
+        with pytest.raises(ValueError, match="ZeRO-3.*does not set FoRA up for it"):
+            check_deepspeed_config({"zero_optimization": {"stage": 3}}, fora)
+        check_deepspeed_config({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, fora, zero3=True)
     check_deepspeed_config({"zero_optimization": {"stage": 3}}, FoRAConfig(mode="lora"))
 
 
@@ -356,6 +458,7 @@ def test_example_deepspeed_configs_are_accepted():
     folder = HERE.parent / "example_configs" / "deepspeed"
     for name in ("zero2.json", "zero2_offload.json", "zero2_qfora.json"):
         check_deepspeed_config(load_deepspeed_config(folder / name), STIEFEL)
+    check_deepspeed_config(load_deepspeed_config(folder / "zero3.json"), STIEFEL, zero3=True)
     with pytest.raises(ValueError, match="is not a file"):
         load_deepspeed_config(folder / "absent.json")
 
@@ -365,3 +468,42 @@ def test_malformed_deepspeed_settings_name_the_value():
         check_deepspeed_config({"zero_optimization": {"stage": "auto"}}, STIEFEL)
     with pytest.raises(ValueError, match="`optimizer` block \\(None\\)"):
         check_deepspeed_config({"zero_optimization": {"stage": 2}, "optimizer": None}, STIEFEL)
+
+
+# ---------------------------------------------------------------------------------------- ZeRO-3, one process
+def test_zero3_optimizer_holds_every_group_and_whole_fp32_lora_b():
+    from fora_plugin.zero import build_zero3_fora_optimizer
+
+    model = small_model()
+    optimizer = build_zero3_fora_optimizer(model, lr=1e-3, lr_stiefel=1e-2, max_grad_norm=1.0)
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    stiefel = [g for g in optimizer.param_groups if g.get("stiefel")]
+    # lora_B stays in DeepSpeed's groups (its own reduce-scatter and the one clipping norm), at lr_stiefel.
+    assert len(stiefel) == 1 and stiefel[0]["lr"] == 1e-2
+    assert [id(p) for p in stiefel[0]["params"]] == [id(p) for p in lora_b]
+    for full, b in zip(optimizer.stiefel_parameters, lora_b, strict=True):
+        assert torch.equal(full, b) and full.dtype == torch.float32 and full is not b
+
+
+def test_zero3_optimizer_refusals_name_the_fix():
+    from fora_plugin.zero import build_zero3_fora_optimizer
+
+    model = small_model()
+    optimizer = build_zero3_fora_optimizer(model, max_grad_norm=1.0)
+    ids = torch.arange(8)[None]
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(TypeError, match="not a DeepSpeed ZeRO-3 partition"):
+        optimizer.step()
+    with pytest.raises(TypeError, match="has no fp16_groups"):
+        optimizer.bind(object())
+
+    class Stage3:  # the attributes bind() reads from DeepSpeed's ZeRO-3 optimizer
+        fp32_partitioned_groups_flat = sub_group_process_groups = ()
+        fp16_groups = [optimizer.param_groups[-1]["params"][:1], optimizer.param_groups[-1]["params"][1:]]
+        clip_grad = 1.0
+
+    with pytest.raises(ValueError, match="sub_group_size splits FoRA's Stiefel group"):
+        optimizer.bind(Stage3())
+    Stage3.clip_grad = 0.5
+    with pytest.raises(ValueError, match=r"gradient_clipping=0.5 differs from FoRA's max_grad_norm=1.0"):
+        optimizer.bind(Stage3())

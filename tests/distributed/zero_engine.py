@@ -9,6 +9,7 @@ so the result can be compared with :func:`train_single_process` on the same glob
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Container
 from pathlib import Path
 
 import torch
@@ -69,15 +70,21 @@ def lora_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 
-def train_single_process() -> tuple[dict[str, torch.Tensor], list[float]]:
-    """The reference: one process, the whole global batch per step, FoRA's ordinary optimizer and HF's clipping."""
+def train_single_process(
+    build: Callable[[], torch.nn.Module] | None = None, skip_steps: Container[int] = ()
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The reference: one process, the whole global batch per step, FoRA's ordinary optimizer and HF's clipping.
+
+    ``build`` makes the model (default :func:`build_model`); the steps in ``skip_steps`` are computed and dropped
+    (no optimizer or LR-schedule step), as DeepSpeed does with a step whose gradient norm is not finite.
+    """
     from fora_plugin import build_fora_optimizer
 
-    model = build_model()
+    model = (build or build_model)()
     optimizer = build_fora_optimizer(model, **optimizer_kwargs())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     losses = []
-    for batch in global_batches():
+    for step, batch in enumerate(global_batches()):
         total = 0.0
         for micro in range(GAS):
             for rank in range(WORLD):
@@ -86,8 +93,9 @@ def train_single_process() -> tuple[dict[str, torch.Tensor], list[float]]:
                 loss.backward()
                 total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-        optimizer.step()
-        scheduler.step()
+        if step not in skip_steps:
+            optimizer.step()
+            scheduler.step()
         optimizer.zero_grad()
         losses.append(total)
     return lora_tensors(model), losses
