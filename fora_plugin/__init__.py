@@ -1,7 +1,7 @@
 """FoRA: Fisher-orthogonal Rank Adaptation as a plugin for PEFT, TRL and Axolotl."""
 
 from . import stiefel
-from .adapter import make_stiefel, stiefel_parameters
+from .adapter import make_stiefel, stiefel_num_experts, stiefel_parameters
 from .config import FoRAConfig
 from .fisher import FisherScores, fisher_scores
 from .optim import CayleyAdam, FoRAOptimizer, build_fora_optimizer
@@ -23,5 +23,6 @@ __all__ = [
     "make_stiefel",
     "select_layers",
     "stiefel",
+    "stiefel_num_experts",
     "stiefel_parameters",
 ]

@@ -3,6 +3,10 @@
 Nothing of PEFT is patched: the forward is LoRA's own, ΔW = scaling · B A. `make_stiefel` only re-initialises
 the chosen adapters (B random orthonormal, A zero so that ΔW = 0 at step 0) and marks the layers, so that
 `build_fora_optimizer` gives their lora_B to Cayley-Adam. The saved adapter is an ordinary LoRA adapter.
+
+Fused MoE experts (``LoraConfig.target_parameters``, PEFT's ``ParamWrapper``) hold the LoRA of E experts in one
+``lora_B`` of shape (d_out, r·E), the experts' columns interleaved (:func:`expert_blocks`). The paper constrains each
+adapter's B on its own: each expert's (d_out, r) block is its own Stiefel matrix, never orthogonal to the others'.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ def make_stiefel(
 
     Each chosen module gets B = a random orthonormal (d_out, r) matrix and A = 0, so ΔW = B A = 0 exactly at step
     0 and the adapted model starts as the base model; Cayley-Adam (see :func:`fora_plugin.build_fora_optimizer`)
-    then keeps B on the manifold. No gate and no patched forward: save, load and merge stay PEFT's own.
+    then keeps B on the manifold. No gate and no patched forward: save, load and merge stay PEFT's own. A lora_B of
+    E fused experts gets E independent random orthonormal (d_out, r) blocks (see :func:`stiefel_num_experts`).
 
     Args:
         model: a ``PeftModel`` (or a model holding PEFT LoRA layers).
@@ -111,7 +116,8 @@ def _check_stiefel_capable(name: str, layer: LoraLayer, adapter_name: str) -> No
             f"LoRA module {name!r} uses DoRA (use_dora=True): its magnitude vector rescales B's "
             "columns, which defeats BᵀB = I. Use use_dora=False with FoRA."
         )
-    d_out, r = lora_b.weight.shape
+    d_out, width = lora_b.weight.shape
+    r = width // _num_experts(layer)
     if d_out < r:
         raise ValueError(
             f"LoRA module {name!r} has d_out={d_out} < r={r}: lora_B cannot have {r} orthonormal "
@@ -121,10 +127,12 @@ def _check_stiefel_capable(name: str, layer: LoraLayer, adapter_name: str) -> No
 
 @torch.no_grad()
 def _init_stiefel_adapter(layer: LoraLayer, adapter_name: str, init_a: str, generator: torch.Generator | None) -> None:
-    b_weight = layer.lora_B[adapter_name].weight  # (d_out, r)
-    a_weight = layer.lora_A[adapter_name].weight  # (r, d_in)
-    d_out, r = b_weight.shape
-    b_weight.copy_(random_stiefel(d_out, r, generator=generator))
+    b_weight = layer.lora_B[adapter_name].weight  # (d_out, r·E)
+    a_weight = layer.lora_A[adapter_name].weight  # (r·E, d_in)
+    experts = _num_experts(layer)
+    d_out, r = b_weight.shape[0], b_weight.shape[1] // experts
+    for block in expert_blocks(b_weight, experts):  # (d_out, r) each, a view into b_weight
+        block.copy_(random_stiefel(d_out, r, generator=generator))
     if init_a == "zeros":
         a_weight.zero_()
     else:
@@ -132,6 +140,37 @@ def _init_stiefel_adapter(layer: LoraLayer, adapter_name: str, init_a: str, gene
         a_weight.copy_(gaussian)
     marked = set(getattr(layer, STIEFEL_ADAPTERS_ATTR, ()))
     setattr(layer, STIEFEL_ADAPTERS_ATTR, frozenset(marked | {adapter_name}))
+
+
+def _num_experts(layer: LoraLayer) -> int:
+    # PEFT's ParamWrapper on a 3-D (E, ., .) expert Parameter; 1 for every other LoRA layer.
+    return int(getattr(layer, "num_experts", 1) or 1)
+
+
+def expert_blocks(weight: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The (E, d_out, r) view of a ``lora_B`` weight (d_out, r·E) whose E experts' columns PEFT interleaves.
+
+    PEFT's ``ParamWrapper`` reads expert e's B as ``weight.view(d_out, r, E).permute(2, 0, 1)[e]``: its columns are
+    e, e + E, e + 2E, ... The view shares ``weight``'s storage, so writing a block writes the weight.
+    """
+    d_out, width = weight.shape
+    return weight.view(d_out, width // num_experts, num_experts).permute(2, 0, 1)
+
+
+def stiefel_num_experts(model: nn.Module) -> dict[int, int]:
+    """``id(lora_B weight) -> E`` for the Stiefel ``lora_B`` that hold E > 1 experts (fused MoE expert Parameters).
+
+    Each of their E (d_out, r) blocks (:func:`expert_blocks`) is its own Stiefel matrix; a lora_B absent from the
+    dict is one (d_out, r) matrix.
+    """
+    found = {}
+    for module in model.modules():
+        experts = _num_experts(module) if isinstance(module, LoraLayer) else 1
+        if experts > 1:
+            for adapter_name in getattr(module, STIEFEL_ADAPTERS_ATTR, ()):
+                if adapter_name in module.lora_B:
+                    found[id(module.lora_B[adapter_name].weight)] = experts
+    return found
 
 
 def stiefel_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,13 @@ from peft import LoraConfig, PeftModel
 from peft.tuners.tuners_utils import check_target_module_exists
 from torch import nn
 from transformers import TrainerCallback
+from transformers.pytorch_utils import Conv1D
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .adapter import make_stiefel, stiefel_parameters
+from .adapter import expert_blocks, make_stiefel, stiefel_num_experts, stiefel_parameters
 from .config import FoRAConfig
 from .diagnostics import mean_effective_rank
-from .fisher import FisherScores, find_decoder_layers
+from .fisher import FisherScores, find_decoder_layers, is_linear_like
 from .plots import plot_fisher_scores
 from .selection import check_layer_indices, resolve_layer_budget, select_layers
 from .stiefel import orthogonality_error
@@ -61,6 +63,7 @@ class FoRASelection:
         self.source = source
         self.mode = mode
         self.target_modules: list[str] = []
+        self.target_parameters: list[str] = []
         self.trainable_parameters: dict[int, int] = {}
         self.lora_all_layers_parameters = 0
 
@@ -79,6 +82,7 @@ class FoRASelection:
             "peak_memory_bytes": s.peak_memory_bytes if s else None,
             "layer_prefix": self.layer_prefix,
             "target_modules": self.target_modules,
+            "target_parameters": self.target_parameters,
             "trainable_parameters_per_layer": {str(k): v for k, v in self.trainable_parameters.items()},
             "lora_all_layers_parameters": self.lora_all_layers_parameters,
         }
@@ -111,15 +115,25 @@ def choose_layers(
     num_layers = len(layers)
     if not fora.selects_layers:
         return FoRASelection(list(range(num_layers)), num_layers, prefix, source="all", mode=fora.mode)
+    saved = _checkpoint_selection(checkpoint, num_layers) if checkpoint is not None else None
     if fora.layers is not None:
         chosen = check_layer_indices(fora.layers, num_layers)
-        return FoRASelection(chosen, num_layers, prefix, source="layers", mode=fora.mode)
-    if checkpoint is not None:
-        saved = FoRASelection.read(checkpoint)
-        if saved["num_layers"] != num_layers:
+        if saved is not None and saved["chosen_layers"] != chosen:
             raise ValueError(
-                f"The checkpoint's selection is for {saved['num_layers']} layers, this model has "
-                f"{num_layers}: resume with the same model."
+                f"FoRAConfig.layers={chosen} differ from the layers {saved['chosen_layers']} that checkpoint "
+                f"{checkpoint} was trained on, and a resumed run keeps its layers: set layers="
+                f"{saved['chosen_layers']} or leave layers unset to resume, or start a new run (no "
+                "resume_from_checkpoint) to train other layers."
+            )
+        return FoRASelection(chosen, num_layers, prefix, source="layers", mode=fora.mode)
+    if saved is not None:
+        k = resolve_layer_budget(fora.layer_budget, num_layers)
+        if k != len(saved["chosen_layers"]):
+            warnings.warn(
+                f"FoRAConfig.layer_budget={fora.layer_budget!r} gives K={k} layers, but checkpoint {checkpoint} was "
+                f"trained with LoRA on K={len(saved['chosen_layers'])} layers {saved['chosen_layers']}: the resumed "
+                f"run keeps the checkpoint's layers. Start a new run (no resume_from_checkpoint) to adapt {k} layers.",
+                stacklevel=2,
             )
         logger.info("FoRA: reusing the layer selection saved with the checkpoint (no re-scoring).")
         scores = _saved_scores(saved, prefix)
@@ -142,6 +156,16 @@ def choose_layers(
     return FoRASelection(chosen, num_layers, prefix, scores=scores, source="fisher", mode=fora.mode)
 
 
+def _checkpoint_selection(checkpoint: str, num_layers: int) -> dict[str, Any]:
+    saved = FoRASelection.read(checkpoint)
+    if saved["num_layers"] != num_layers:
+        raise ValueError(
+            f"The checkpoint's selection is for {saved['num_layers']} layers, this model has "
+            f"{num_layers}: resume with the same model."
+        )
+    return saved
+
+
 def _saved_scores(saved: dict[str, Any], prefix: str) -> FisherScores | None:
     if saved.get("scores") is None:
         return None
@@ -157,21 +181,31 @@ def _saved_scores(saved: dict[str, Any], prefix: str) -> FisherScores | None:
 
 # ---------------------------------------------------------------------------------------------------- adapters
 def restrict_lora_config(config: LoraConfig, model: nn.Module, selection: FoRASelection) -> None:
-    """Point ``config`` (in place) at exactly the linears it targets in the chosen layers of ``model``.
+    """Point ``config`` (in place) at exactly what it targets in the chosen layers of ``model``.
 
-    ``model`` is the base model, without adapters. Also records the target names and the parameter count LoRA on
-    every layer would have in ``selection``.
+    ``model`` is the base model, without adapters. ``target_modules`` become the fully qualified names of the target
+    linears (``nn.Linear``, GPT-2's ``Conv1D``, quantized linears) in the chosen layers, ``target_parameters``
+    (fused MoE experts) the fully qualified names of the target parameters there, and ``modules_to_save`` entries
+    that match modules inside decoder layers keep only those of the chosen layers. Also records the targets and the
+    parameter count LoRA on every layer would have.
     """
     _, layers = find_decoder_layers(model)
-    per_layer = {i: _matching_modules(model, config, selection.layer_prefix, i) for i in range(len(layers))}
-    _check_targets_present(config, per_layer, selection.chosen)
+    prefix = selection.layer_prefix
+    per_layer = {i: _matching_modules(model, config, prefix, i) for i in range(len(layers))}
+    per_layer_params = {i: _matching_parameters(model, config, prefix, i) for i in range(len(layers))}
+    _check_targets_present(config, per_layer, per_layer_params, selection.chosen)
     selection.target_modules = [name for i in selection.chosen for name in per_layer[i]]
-    selection.lora_all_layers_parameters = sum(
-        _lora_parameter_count(model.get_submodule(name), config.r) for names in per_layer.values() for name in names
-    )
+    selection.target_parameters = [name for i in selection.chosen for name in per_layer_params[i]]
+    modules = [model.get_submodule(name) for names in per_layer.values() for name in names]
+    parameters = [model.get_parameter(name) for names in per_layer_params.values() for name in names]
+    selection.lora_all_layers_parameters = sum(_lora_parameter_count(t, config.r) for t in modules + parameters)
     # Fully qualified names adapt exactly these modules: layers_to_transform can match nothing, or also match a
-    # vision tower's layers of the same index.
+    # vision tower's layers of the same index; target_parameters and modules_to_save have no layer filter at all.
     config.target_modules = list(selection.target_modules)
+    if config.target_parameters:
+        config.target_parameters = list(selection.target_parameters)
+    if config.modules_to_save:
+        config.modules_to_save = _restrict_modules_to_save(config.modules_to_save, model, prefix, selection.chosen)
     config.layers_to_transform = None
     config.layers_pattern = None
 
@@ -234,36 +268,76 @@ def _layer_index(name: str, prefix: str) -> int | None:
 
 
 def _matching_modules(model: nn.Module, config: LoraConfig, prefix: str, index: int) -> list[str]:
-    """Names of the modules in decoder layer ``index`` that the LoraConfig targets (PEFT's own matching)."""
+    """Names of the linear-like modules in decoder layer ``index`` that the LoraConfig targets (PEFT's matching)."""
+    if config.target_modules is None:
+        return []
     layer_prefix = f"{prefix}.{index}."
     return [
         name
         for name, module in model.named_modules()
-        if name.startswith(layer_prefix) and isinstance(module, nn.Linear) and check_target_module_exists(config, name)
+        if name.startswith(layer_prefix) and is_linear_like(module) and check_target_module_exists(config, name)
     ]
 
 
-def _check_targets_present(config: LoraConfig, per_layer: dict[int, list[str]], chosen: list[int]) -> None:
-    empty = [i for i in chosen if not per_layer[i]]
+def _matching_parameters(model: nn.Module, config: LoraConfig, prefix: str, index: int) -> list[str]:
+    """Names of the parameters in decoder layer ``index`` that ``LoraConfig.target_parameters`` targets (PEFT's rule:
+    the qualified name, or a suffix of it after a dot)."""
+    targets = config.target_parameters or []
+    layer_prefix = f"{prefix}.{index}."
+    return [
+        name
+        for name, _ in model.named_parameters()
+        if name.startswith(layer_prefix) and any(name == t or name.endswith("." + t) for t in targets)
+    ]
+
+
+def _restrict_modules_to_save(entries: list[str], model: nn.Module, prefix: str, chosen: list[int]) -> list[str]:
+    """``modules_to_save`` without the decoder-layer modules of unchosen layers (PEFT matches by name suffix)."""
+    names = [name for name, _ in model.named_modules()]
+    restricted = []
+    for entry in entries:
+        matched = [name for name in names if name.endswith(entry)]
+        in_layers = [name for name in matched if _layer_index(name, prefix) is not None]
+        if not in_layers:
+            restricted.append(entry)  # lm_head, embed_tokens: outside the layers, as the user wrote it
+            continue
+        restricted += [name for name in matched if name not in in_layers or _layer_index(name, prefix) in chosen]
+    return list(dict.fromkeys(restricted))
+
+
+def _check_targets_present(
+    config: LoraConfig, per_layer: dict[int, list[str]], per_layer_params: dict[int, list[str]], chosen: list[int]
+) -> None:
+    empty = [i for i in chosen if not per_layer[i] and not per_layer_params[i]]
     if empty:
         raise ValueError(
-            f"LoraConfig.target_modules={config.target_modules!r} match no linear in the chosen "
-            f"layers {empty}: use module names of the model's decoder layers."
+            f"LoraConfig.target_modules={config.target_modules!r} / target_parameters={config.target_parameters!r} "
+            f"match no linear (nn.Linear, Conv1D or a quantized linear) and no parameter in the chosen layers "
+            f"{empty}: use module or parameter names of the model's decoder layers."
         )
-    if isinstance(config.target_modules, str):
-        return
-    found = {name.rsplit(".", 1)[-1] for i in chosen for name in per_layer[i]}
-    absent = [t for t in config.target_modules if t.rsplit(".", 1)[-1] not in found]
-    if absent:
-        example = per_layer[chosen[0]][:5]
-        raise ValueError(
-            f"target modules {absent} are absent from the chosen layers {chosen} (their linears are "
-            f"named like {example}): fix LoraConfig.target_modules."
-        )
+    checks = (("target_modules", per_layer), ("target_parameters", per_layer_params))
+    for field_name, found_per_layer in checks:
+        targets = getattr(config, field_name)
+        if not targets or isinstance(targets, str):
+            continue
+        found = [name for i in chosen for name in found_per_layer[i]]
+        absent = [t for t in targets if not any(name == t or name.endswith("." + t) for name in found)]
+        if absent:
+            example = found[:5] or [name for i in chosen for name in per_layer[i] + per_layer_params[i]][:5]
+            raise ValueError(
+                f"{field_name.replace('_', ' ')} {absent} are absent from the chosen layers {chosen} (their "
+                f"targets are named like {example}): fix LoraConfig.{field_name}."
+            )
 
 
-def _lora_parameter_count(module: nn.Module, r: int) -> int:
-    return r * (module.in_features + module.out_features)
+def _lora_parameter_count(target: nn.Module | torch.Tensor, r: int) -> int:
+    """LoRA's r·(d_in + d_out) for a linear-like module; r·E·(d_in + d_out) for a parameter of E fused experts."""
+    if isinstance(target, torch.Tensor):
+        experts, *shape = target.shape if target.dim() == 3 else (1, *target.shape)
+        return r * experts * sum(shape)
+    if isinstance(target, Conv1D):
+        return r * (target.nx + target.nf)
+    return r * (target.in_features + target.out_features)
 
 
 # ----------------------------------------------------------------------------------------------------- reports
@@ -345,9 +419,13 @@ class FoRALogs:
 
 def _max_drift(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> float:
     # A bf16 lora_B is its fp32 master rounded; the master is the point on the manifold.
+    # A lora_B of E fused experts is E Stiefel matrices: each block's own drift.
     state = optimizer.state if optimizer is not None else {}
-    drifts = [
-        orthogonality_error(state.get(p, {}).get("master", p).detach().float()).item()
-        for _, p in stiefel_parameters(model)
-    ]
+    experts = stiefel_num_experts(model)
+    drifts = []
+    for _, p in stiefel_parameters(model):
+        b = state.get(p, {}).get("master", p).detach().float()  # (d_out, r·E)
+        if id(p) in experts:
+            b = expert_blocks(b, experts[id(p)])  # (E, d_out, r)
+        drifts.append(orthogonality_error(b).max().item())
     return max(drifts, default=0.0)

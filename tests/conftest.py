@@ -5,10 +5,19 @@ import string
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 
 GPT2_TARGETS = ["c_attn", "c_fc"]  # GPT-2's Conv1D linears: weight (in, out)
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # fused (E, ., .) expert Parameters
 TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = list(string.printable[:95])
@@ -60,6 +69,28 @@ def tiny_gpt2(num_layers: int = 4, seed: int = 0, dropout: float = 0.0, vocab_si
     )
     torch.manual_seed(seed)
     return GPT2LMHeadModel(config).eval()
+
+
+def tiny_moe(num_layers: int = 4, seed: int = 0, num_experts: int = 4, vocab_size: int = 96) -> Qwen3MoeForCausalLM:
+    """A Qwen3-MoE model whose experts are fused Parameters (gate_up_proj (E, 2I, H), down_proj (E, H, I))."""
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=num_experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config).eval()
 
 
 @pytest.fixture
