@@ -49,6 +49,7 @@ __all__ = [
     "build_zero3_fora_optimizer",
     "build_zero_fora_optimizer",
     "find_zero_client",
+    "gathered_trainable_parameters",
     "check_deepspeed_config",
     "load_deepspeed_config",
     "zero3_scoring_engine",
@@ -497,8 +498,10 @@ def zero3_scoring_engine(model: torch.nn.Module, deepspeed_config: Mapping[str, 
     """
     import deepspeed
 
-    config = copy.deepcopy(dict(deepspeed_config))
-    zero = config.setdefault("zero_optimization", {})
+    # HF fills some "auto" values only when it builds the training engine: leave those to DeepSpeed's defaults.
+    config = {k: v for k, v in copy.deepcopy(dict(deepspeed_config)).items() if v != "auto"}
+    zero = {k: v for k, v in config.get("zero_optimization", {}).items() if v != "auto"}
+    config["zero_optimization"] = zero
     if zero.get("stage") != 3:
         raise ValueError(
             f"zero3_scoring_engine needs a ZeRO-3 config, got zero_optimization.stage={zero.get('stage')!r}: "
@@ -515,6 +518,20 @@ def zero3_scoring_engine(model: torch.nn.Module, deepspeed_config: Mapping[str, 
         yield engine
     finally:
         engine.destroy()
+
+
+@contextlib.contextmanager
+def gathered_trainable_parameters(model: torch.nn.Module) -> Iterator[None]:
+    """Under ZeRO-3, the trainable parameters (LoRA: small) gathered whole, read-only, for diagnostics and logs;
+    elsewhere nothing. Every rank must enter it (it is a collective)."""
+    params = [p for p in model.parameters() if p.requires_grad and hasattr(p, "ds_id")]
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params):
+        yield
 
 
 # torch 2.13 renamed it (and warns at every call of the old name); older versions have only the old one.

@@ -507,3 +507,53 @@ def test_zero3_optimizer_refusals_name_the_fix():
     Stage3.clip_grad = 0.5
     with pytest.raises(ValueError, match=r"gradient_clipping=0.5 differs from FoRA's max_grad_norm=1.0"):
         optimizer.bind(Stage3())
+
+
+@pytest.fixture(scope="module")
+def zero3_trainer_runs(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("zero3_trainer")
+    torchrun(HERE / "distributed" / "zero3_trainer.py", str(out))
+    return out, {run: [torch.load(out / f"{run}-rank{rank}.pt") for rank in range(2)] for run in ("full", "resumed")}
+
+
+@pytest.mark.slow
+def test_fora_sft_trainer_under_zero3(zero3_trainer_runs):
+    out, runs = zero3_trainer_runs
+    rank0, rank1 = runs["full"]
+    assert rank0["partitioned_at_load"]  # from_pretrained under the ZeRO-3 config: zero.Init partitioned the base
+    assert rank0["client"] == "Zero3FoRAOptimizer" and rank0["client_steps"] == 6
+    # DeepSpeed's clipping stays on under ZeRO-3: its one norm covers lora_A and lora_B.
+    assert rank0["engine_gradient_clipping"] == 0.5
+    assert rank0["scores"] == rank1["scores"] and rank0["chosen"] == rank1["chosen"] and len(rank0["chosen"]) == 2
+    assert {n.split(".layers.")[1].split(".")[0] for n in rank0["lora"]} == {str(i) for i in rank0["chosen"]}
+    assert all(torch.equal(a, b) for a, b in zip(rank0["full_b"], rank1["full_b"], strict=True))
+    lora_b = [t for n, t in rank0["lora"].items() if "lora_B" in n]
+    assert max(orthogonality_error(b).item() for b in lora_b) < 1e-5
+    assert all(log["fora/max_orthogonality_error"] < 1e-5 for log in rank0["logs"])
+    assert rank0["logs"][-1]["loss"] < rank0["logs"][0]["loss"]
+    assert (out / "full" / "out" / "checkpoint-3" / "fora_stiefel_optimizer.pt").is_file()
+
+
+@pytest.mark.slow
+def test_zero3_saved_adapter_is_plain_peft_lora(zero3_trainer_runs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out, runs = zero3_trainer_runs
+    trained = runs["full"][0]["lora"]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "model"), out / "full" / "out")
+    loaded = {n.replace(".default", ""): p for n, p in model.named_parameters() if "lora_" in n}
+    assert set(loaded) == {n.replace(".default", "") for n in trained}
+    for name, tensor in trained.items():
+        torch.testing.assert_close(loaded[name.replace(".default", "")], tensor, rtol=0, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+def test_zero3_resume_restores_the_cayley_state(zero3_trainer_runs):
+    _, runs = zero3_trainer_runs
+    full, resumed = runs["full"][0], runs["resumed"][0]
+    assert resumed["client_steps"] == full["client_steps"]  # 3 restored from the checkpoint, then 4..6
+    assert [log["loss"] for log in resumed["logs"][-3:]] == pytest.approx([log["loss"] for log in full["logs"][-3:]])
+    for name, tensor in full["lora"].items():
+        torch.testing.assert_close(resumed["lora"][name], tensor, rtol=0, atol=1e-6, msg=name)

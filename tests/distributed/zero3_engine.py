@@ -59,7 +59,8 @@ def deepspeed_config(bf16: bool = False) -> dict:
         "gradient_accumulation_steps": GAS,
         # Under ZeRO-3 DeepSpeed's clipping is the one: a norm over every group it holds, lora_B included.
         "gradient_clipping": MAX_GRAD_NORM,
-        "zero_optimization": {"stage": 3},
+        # Persistence threshold 0: every weight, lora_B included, is released after its forward and backward.
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": bf16},
     }

@@ -1,0 +1,154 @@
+"""FoRASFTTrainer through HF's own DeepSpeed integration under ZeRO-3; run by tests/test_zero.py.
+
+``torchrun --nproc_per_node 2 zero3_trainer.py OUT_DIR``: the tiny Llama is loaded with ``from_pretrained`` after the
+SFTConfig exists, so ``zero.Init`` partitions its weights as it would a real model's; FoRA scores it inside
+:func:`~fora_plugin.zero.zero3_scoring_engine`, chooses the layers, trains 6 steps (gradient accumulation 2) with
+:class:`~fora_plugin.zero.Zero3FoRAOptimizer` and saves a checkpoint at step 3 and the adapter at the end; a second
+trainer resumes from the checkpoint to step 6. Each rank writes its results to ``OUT_DIR/<run>-rank<k>.pt``.
+
+``fora_plugin/trainer.py`` does not take the ZeRO-3 path yet: :class:`Zero3Trainer` and :func:`zero3_call_sites`
+make the call-site changes proposed for it (ZeRO-3 accepted by the config check, scoring inside the scoring engine
+by activations, the ZeRO-3 client optimizer, logs read from gathered adapters). On a CPU-only host ``use_cpu=True``
+makes accelerate count the torchrun ranks; bf16 is refused on a CPU, so this runs in fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import char_tokenizer, tiny_llama  # noqa: E402
+from test_trainer import LAYERS, VOCAB, lora_config, sft_args, sums_dataset  # noqa: E402
+
+import fora_plugin.trainer as fora_trainer  # noqa: E402
+from fora_plugin import FoRAConfig, FoRASFTTrainer, zero  # noqa: E402
+
+
+DEEPSPEED = {
+    # Persistence threshold 0: no weight of the tiny model stays gathered between forwards (scoring included).
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+STEPS, SAVE_AT = 6, 3
+# The target linears, scored by their inputs and output gradients (norm weights: see test_zero's ZeRO-3 scoring).
+FORA = dict(fisher_batches=2, lr_stiefel=5e-2, fisher_params="targets")
+
+
+class Zero3Trainer(FoRASFTTrainer):
+    def fora_score(self, peft_config=None):
+        config = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        with zero.zero3_scoring_engine(self.model, config):
+            return super().fora_score(peft_config)
+
+    def log(self, logs, start_time=None):
+        with zero.gathered_trainable_parameters(self.model):  # FoRA's logs read lora_A / lora_B
+            super().log(logs, start_time)
+
+
+@contextlib.contextmanager
+def zero3_call_sites():
+    patched = {
+        "check_deepspeed_config": functools.partial(zero.check_deepspeed_config, zero3=True),
+        "build_zero_fora_optimizer": lambda model, *a, sync_period=None, **kw: zero.build_zero3_fora_optimizer(
+            model, *a, **kw
+        ),
+        "fisher_scores": functools.partial(fora_trainer.fisher_scores, linear_grad="activations"),
+    }
+    saved = {name: getattr(fora_trainer, name) for name in patched}
+    for name, value in patched.items():
+        setattr(fora_trainer, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(fora_trainer, name, value)
+
+
+def make_trainer(out: Path, model_dir: Path) -> Zero3Trainer:
+    from transformers import AutoModelForCausalLM
+
+    args = sft_args(
+        out,
+        deepspeed=dict(DEEPSPEED),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=STEPS,
+        save_strategy="steps",
+        save_steps=SAVE_AT,
+        max_grad_norm=0.5,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir)  # after the SFTConfig: zero.Init partitions it
+    layers = [p for n, p in model.named_parameters() if ".layers." in n]
+    assert layers and all(p.numel() == 0 for p in layers), "from_pretrained did not partition the model"
+    return Zero3Trainer(
+        model,
+        args,
+        train_dataset=sums_dataset(),
+        processing_class=char_tokenizer(),
+        peft_config=lora_config(),
+        fora_config=FoRAConfig(**FORA),
+    )
+
+
+def snapshot(trainer: Zero3Trainer, partitioned: bool) -> dict:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    engine = trainer.model_wrapped
+    client = engine.optimizer.optimizer
+    return {
+        "partitioned_at_load": partitioned,
+        "lora": {
+            n: safe_get_full_fp32_param(p).detach().clone()
+            for n, p in trainer.model.named_parameters()
+            if "lora_" in n
+        },
+        "full_b": [b.clone() for b in client.stiefel_parameters],
+        "chosen": trainer.fora_selection.chosen,
+        "scores": trainer.fora_selection.scores.scores if trainer.fora_selection.scores else None,
+        "engine_gradient_clipping": engine.optimizer.clip_grad,
+        "client": type(client).__name__,
+        "client_steps": client.steps,
+        "logs": [log for log in trainer.state.log_history if "loss" in log],
+    }
+
+
+def main(out_dir: str) -> None:
+    out = Path(out_dir)
+    model_dir = out / "model"
+    with zero3_call_sites():
+        import deepspeed
+
+        deepspeed.init_distributed()
+        rank = dist.get_rank()
+        if rank == 0:
+            tiny_llama(LAYERS, vocab_size=VOCAB).save_pretrained(model_dir)
+        dist.barrier()
+        full = make_trainer(out / "full", model_dir)
+        # The base stays partitioned through scoring (the scoring engine released what it gathered).
+        partitioned = all(p.numel() == 0 for n, p in full.model.named_parameters() if "base_layer" in n)
+        full.train()
+        full.save_model()  # the adapter: under ZeRO-3 HF gathers the 16-bit weights for it
+        torch.save(snapshot(full, partitioned), out / f"full-rank{rank}.pt")
+        checkpoint = out / "full" / "out" / f"checkpoint-{SAVE_AT}"
+        resumed = make_trainer(out / "full", model_dir)  # same output_dir: the checkpoint's selection is reused
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+        torch.save(snapshot(resumed, True), out / f"resumed-rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
