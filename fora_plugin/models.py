@@ -71,7 +71,18 @@ def resolve_model_path(name_or_path: str, *, cache_dir: str | Path | None = None
             _convert_gguf(gguf_file, target)
         return str(target)
 
+    if _looks_like_path(name_or_path) and not Path(name_or_path).expanduser().is_dir():
+        raise ValueError(
+            f"model_name_or_path={name_or_path!r} is a local path, but {Path(name_or_path).expanduser().resolve()} is "
+            "not a folder. Fix the path (a folder with config.json and the weights), or give a hub name "
+            f"('org/model'), a .gguf file, or {BUNDLED_GEMMA}."
+        )
     return name_or_path
+
+
+def _looks_like_path(name: str) -> bool:
+    """Whether ``name`` can only mean a local path: a hub id is `name` or `org/name`, never absolute or relative."""
+    return name.startswith(("/", "./", "../", "~", ".\\")) or name.count("/") > 1 or Path(name).expanduser().exists()
 
 
 def _convert_gguf(gguf_file: Path, target: Path) -> None:

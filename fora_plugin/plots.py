@@ -29,7 +29,9 @@ def plot_fisher_scores(
     ax.set_ylabel("Fisher score  (mean Σ‖∇θ‖²)" if scores is not None else "(no scores: layers given or controls)")
     ax.set_xticks(range(num_layers))
     ax.tick_params(axis="x", labelsize=7)
-    if scores is not None and max(heights) / max(min(h for h in heights if h > 0), 1e-30) > 100:
+    positive = [h for h in heights if h > 0]
+    # A log axis only when the scores span decades (and there is something positive to put on it).
+    if scores is not None and positive and max(positive) / min(positive) > 100:
         ax.set_yscale("log")
     ax.set_title(title or f"FoRA layer selection: {len(chosen_set)} of {num_layers} layers (red = adapted)")
     ax.grid(axis="y", alpha=0.3)

@@ -8,6 +8,7 @@ side by side.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections import defaultdict
@@ -15,9 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft.tuners.lora import LoraLayer
+from peft.utils.other import get_pattern_key
 from safetensors.torch import load_file
+from torch import nn
 
 from .diagnostics import delta_w_singular_values, effective_rank
+from .evaluation import eval_mode
 from .stiefel import orthogonality_error
 
 
@@ -34,6 +39,13 @@ def load_adapter_pairs(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[st
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{adapter_dir} holds a {config.get('peft_type')} adapter; fora report reads LoRA adapters.")
     tensors = load_file(weights_file)
+    broken = [key for key, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if broken:
+        raise ValueError(
+            f"{adapter_dir} holds NaN/inf weights in {len(broken)} tensors ({', '.join(broken[:3])}"
+            f"{', ...' if len(broken) > 3 else ''}): the training that wrote it diverged. Train again from an "
+            "earlier checkpoint or with a lower learning_rate / fora_lr_stiefel (and max_grad_norm set)."
+        )
     pairs: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     for key, value in tensors.items():
         for part in ("lora_A", "lora_B"):
@@ -43,8 +55,10 @@ def load_adapter_pairs(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[st
     return config, {name: (p["lora_A"], p["lora_B"]) for name, p in pairs.items() if len(p) == 2}
 
 
-def _scaling(config: dict[str, Any]) -> float:
-    r, alpha = config["r"], config["lora_alpha"]
+def _scaling(config: dict[str, Any], module: str, r: int) -> float:
+    """PEFT's scaling of ``module`` (its name without the ``base_model.model.`` prefix) with rank ``r``."""
+    alpha_pattern = config.get("alpha_pattern") or {}
+    alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module), config["lora_alpha"])
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
 
@@ -59,9 +73,10 @@ def _layer_index(name: str) -> int | None:
 def adapter_report(adapter_dir: str | Path) -> dict[str, Any]:
     """Per-module and per-module-type statistics of a LoRA adapter."""
     config, pairs = load_adapter_pairs(adapter_dir)
-    scaling = _scaling(config)
     modules = []
     for name, (a, b) in sorted(pairs.items()):
+        # Per module: rank_pattern gives A its own rank r, alpha_pattern its own alpha.
+        scaling = _scaling(config, name.removeprefix("base_model.model."), a.shape[0])
         sv = scaling * delta_w_singular_values(a.float(), b.float())
         modules.append(
             {
@@ -69,6 +84,7 @@ def adapter_report(adapter_dir: str | Path) -> dict[str, Any]:
                 "type": name.rsplit(".", 1)[-1],
                 "layer": _layer_index(name),
                 "rank": a.shape[0],
+                "scaling": scaling,
                 "singular_values": sv.tolist(),
                 "effective_rank": effective_rank(sv),
                 "delta_w_norm": float(sv.square().sum().sqrt()),
@@ -98,7 +114,7 @@ def adapter_report(adapter_dir: str | Path) -> dict[str, Any]:
         "adapter": str(adapter_dir),
         "r": config["r"],
         "lora_alpha": config["lora_alpha"],
-        "scaling": scaling,
+        "scaling": _scaling(config, "", config["r"]),
         "adapted_layers": layers,
         "modules": modules,
         "by_type": summary,
@@ -112,17 +128,47 @@ def kl_to_base(model, tokenizer, text: str, *, max_tokens: int = 1024, window: i
     """Mean per-token KL(p_trained ‖ p_base) of a PeftModel against its own base (adapter disabled) on ``text``."""
     ids = tokenizer(text, return_tensors="pt").input_ids[0][:max_tokens]
     device = next(model.parameters()).device
-    model.eval()
     total, count = 0.0, 0
-    for start in range(0, ids.numel(), window):
-        chunk = ids[start : start + window].unsqueeze(0).to(device)
-        log_trained = torch.log_softmax(model(input_ids=chunk).logits.float(), dim=-1)
-        with model.disable_adapter():
-            log_base = torch.log_softmax(model(input_ids=chunk).logits.float(), dim=-1)
-        kl = (log_trained.exp() * (log_trained - log_base)).sum(dim=-1)  # (1, T)
-        total += kl.sum().item()
-        count += kl.numel()
+    with eval_mode(model):  # no dropout; a model in training stays in training after this
+        for start in range(0, ids.numel(), window):
+            chunk = ids[start : start + window].unsqueeze(0).to(device)
+            log_trained = torch.log_softmax(model(input_ids=chunk).logits.float(), dim=-1)
+            with model.disable_adapter():
+                log_base = torch.log_softmax(model(input_ids=chunk).logits.float(), dim=-1)
+            kl = (log_trained.exp() * (log_trained - log_base)).sum(dim=-1)  # (1, T)
+            total += kl.sum().item()
+            count += kl.numel()
     return total / count
+
+
+@torch.no_grad()
+def merged_delta_weight(module: LoraLayer, adapter: str) -> torch.Tensor:
+    """ΔW = merged weight − base weight (d_out, d_in) of one LoRA linear, in float64, by PEFT's own merge.
+
+    Unlike scaling · B A this includes what the variant adds to the merge (DoRA's magnitude rescaling), so
+    spectra of LoRA, DoRA and rsLoRA compare like with like. The merge runs on a float64 copy: the model is left
+    as it is, and rounding does not add small singular values to the spectrum.
+    """
+    base = module.get_base_layer().weight
+    if not base.is_floating_point():
+        raise ValueError(
+            f"The merged ΔW of a quantized base weight ({base.dtype}) is not computed here: compare adapters "
+            "trained on a float base, or use `fora report` (B A from the adapter files)."
+        )
+    merged = copy.deepcopy(module).double()
+    merged.merge(adapter_names=[adapter])
+    return merged.get_base_layer().weight - base.double()
+
+
+def merged_mean_effective_rank(model: nn.Module) -> float:
+    """Mean entropy effective rank of the merged ΔW over every LoRA linear and adapter of a PEFT model."""
+    ranks = [
+        effective_rank(torch.linalg.svdvals(merged_delta_weight(module, adapter)))
+        for module in model.modules()
+        if isinstance(module, LoraLayer) and isinstance(module, nn.Module)
+        for adapter in module.lora_A
+    ]
+    return sum(ranks) / len(ranks) if ranks else 0.0
 
 
 def plot_spectra(path: str | Path, reports: dict[str, dict[str, Any]]) -> Path:

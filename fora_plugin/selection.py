@@ -58,6 +58,7 @@ def select_layers(
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
         raise ValueError(f"K={k!r} layers is invalid for a model with {n} layers: use 1 <= K <= {n}.")
     if strategy == "fisher":
+        check_scores_finite(scores)
         ranked = sorted(range(n), key=lambda i: (-scores[i], i))
         return sorted(ranked[:k])
     if strategy == "random":
@@ -65,6 +66,19 @@ def select_layers(
     if strategy == "first":
         return list(range(k))
     return list(range(n - k, n))
+
+
+def check_scores_finite(scores: Sequence[float]) -> None:
+    """Refuse NaN/inf Fisher scores: ``sorted`` would order them arbitrarily and pick a meaningless top-K."""
+    bad = {i: s for i, s in enumerate(scores) if not math.isfinite(s)}
+    if bad:
+        values = ", ".join(f"{i}: {s}" for i, s in bad.items())
+        raise ValueError(
+            f"Fisher scores of layers {sorted(bad)} are not finite ({values}), "
+            "so no top-K can be chosen. The loss or its gradients overflowed on the scoring batches: check the base "
+            "model for NaN/inf weights and the data for empty completions, score in float32 (dtype: float32), or "
+            "pick the layers yourself (fora_layers)."
+        )
 
 
 def check_layer_indices(layers: Sequence[int], num_layers: int) -> list[int]:

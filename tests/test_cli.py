@@ -1,6 +1,9 @@
 """The fora command on a tiny local model: YAML in, adapter, scores, plot and table out."""
 
+import ast
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -34,7 +37,7 @@ def setup(tmp_path_factory):
         "output_dir": str(root / "out"),
         "use_cpu": True,
         "bf16": False,
-        "gradient_checkpointing": False,
+        "activation_checkpointing": False,
         "per_device_train_batch_size": 4,
         "max_steps": 3,
         "learning_rate": 1e-3,
@@ -87,8 +90,8 @@ def test_version_and_help(capsys):
     assert "train" in capsys.readouterr().out
 
 
-def test_fora_ablate_trains_evaluates_and_resumes(setup, tmp_path, capsys):
-    root, path = setup
+def ablation_config(root, path, tmp_path, runs: list[str]):
+    """The setup's config with an `ablation:` block over ``runs``, evaluated on a few boolq-style examples."""
     config = yaml.safe_load(path.read_text())
     commonsense = tmp_path / "commonsense" / "boolq"
     commonsense.mkdir(parents=True)
@@ -105,7 +108,7 @@ def test_fora_ablate_trains_evaluates_and_resumes(setup, tmp_path, capsys):
     config.update(max_steps=1, output_dir=str(tmp_path / "unused"))
     config["ablation"] = {
         "output_dir": str(tmp_path / "grid"),
-        "runs": ["lora", "fora", "lora-half-rank"],
+        "runs": runs,
         "eval": {
             "commonsense_dir": str(tmp_path / "commonsense"),
             "tasks": ["boolq"],
@@ -114,8 +117,14 @@ def test_fora_ablate_trains_evaluates_and_resumes(setup, tmp_path, capsys):
             "eval_loss_examples": 3,
         },
     }
-    grid_config = root / "grid.yaml"
+    grid_config = root / f"grid-{tmp_path.name}.yaml"  # next to data/, which the config names relatively
     grid_config.write_text(yaml.safe_dump(config))
+    return grid_config
+
+
+def test_fora_ablate_trains_evaluates_and_resumes(setup, tmp_path, capsys):
+    root, path = setup
+    grid_config = ablation_config(root, path, tmp_path, ["lora", "fora", "lora-half-rank"])
     assert main(["ablate", str(grid_config)]) == 0
     table = (tmp_path / "grid" / "ablation.md").read_text()
     for run in ("lora", "fora", "lora-half-rank"):
@@ -190,3 +199,158 @@ def test_load_in_4bit_in_the_yaml_trains_qfora_on_a_4bit_base(setup):
     optimizer = trainer.optimizer
     for _, p in stiefel_parameters(trainer.model):
         assert orthogonality_error(optimizer.state[p].get("master", p).float()) < 1e-4
+
+
+def test_ablation_dora_row_reports_the_effective_rank_of_merged_minus_base(setup, tmp_path):
+    # DoRA's ΔW includes its magnitude rescaling: the erank column is of merged − base weights for every run.
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from fora_plugin.diagnostics import effective_rank
+
+    root, path = setup
+    assert main(["ablate", str(ablation_config(root, path, tmp_path, ["dora"]))]) == 0
+    result = json.loads((tmp_path / "grid" / "dora" / "results.json").read_text())
+    base = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float64)
+    base_weights = {n: p.detach().clone() for n, p in base.named_parameters()}
+    merged = PeftModel.from_pretrained(base, tmp_path / "grid" / "dora").merge_and_unload()
+    ranks = [
+        effective_rank(torch.linalg.svdvals(p.detach() - base_weights[n]))
+        for n, p in merged.named_parameters()
+        if any(f".{t}." in n for t in TARGETS)
+    ]
+    assert len(ranks) == 4 * len(TARGETS)
+    assert result["mean_effective_rank"] == pytest.approx(sum(ranks) / len(ranks), rel=1e-4)
+
+
+def test_fora_score_scores_afresh_when_the_config_resumes_a_checkpoint(setup, tmp_path, capsys):
+    root, path = setup
+    checkpoint = tmp_path / "checkpoint-7"
+    checkpoint.mkdir()
+    saved = {"mode": "fora", "source": "fisher", "num_layers": 4, "k": 2, "chosen_layers": [0, 1]}
+    saved.update(scores=[4.0, 3.0, 2.0, 1.0], num_batches=9, fisher_params="layer", seconds=1.0)
+    (checkpoint / "fora_scores.json").write_text(json.dumps(saved))
+    out = tmp_path / "scored"
+    args = ["score", str(path), "--resume_from_checkpoint", str(checkpoint), "--output_dir", str(out)]
+    assert main(args) == 0
+    written = json.loads((out / "fora_scores.json").read_text())
+    assert written["source"] == "fisher" and written["num_batches"] == 2  # the config's fora_fisher_batches
+    assert written["scores"] != saved["scores"]
+    assert "(chosen by: fisher)" in capsys.readouterr().out
+
+
+def test_train_help_lists_every_fora_key_with_its_help(capsys):
+    from fora_plugin.config import FoRAArguments
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # help wraps lines
+    for field in dataclasses.fields(FoRAArguments):
+        assert f"--{field.name} (default: {field.default})" in text
+        assert " ".join(field.metadata["help"].split()) in text
+    assert "SFTConfig" in text and "ModelConfig" in text
+
+
+def test_only_our_own_validation_errors_become_one_line_messages(setup, monkeypatch, capsys):
+    import fora_plugin.cli as cli
+
+    _, path = setup
+    assert main(["score", str(path), "--fora_fisher_batches", "0"]) == 2  # FoRAConfig's check: a message
+    assert "fisher_batches=0" in capsys.readouterr().err
+
+    def library_failure(config, overrides, **kwargs):
+        json.loads("{not json")  # a ValueError raised inside the json library
+
+    monkeypatch.setattr(cli, "build_trainer", library_failure)
+    with pytest.raises(json.JSONDecodeError):  # keeps its traceback
+        main(["score", str(path)])
+
+    def our_bug(config, overrides, **kwargs):
+        from fora_plugin.selection import select_layers
+
+        select_layers(["0.5", "0.7"], 1)  # a TypeError inside our code, not one of its checks
+
+    monkeypatch.setattr(cli, "build_trainer", our_bug)
+    with pytest.raises(TypeError):  # keeps its traceback
+        main(["score", str(path)])
+
+
+def test_no_import_cycle_between_the_packages_modules():
+    # `fora ablate` and `fora train` share the recipe; neither imports the other's command module.
+    graph = {}
+    import fora_plugin
+
+    package = Path(fora_plugin.__file__).resolve().parent
+    for file in package.rglob("*.py"):
+        parts = file.relative_to(package.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        parent = name if parts[-1] == "__init__" else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = parent.split(".")[: len(parent.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                deps.add(target)
+        graph[name] = deps - {"fora_plugin"}  # the package itself is imported before any of its modules
+
+    def cycle_from(start, node, seen):
+        for dep in graph.get(node, ()):
+            if dep == start:
+                return [*seen, dep]
+            if dep not in seen:
+                found = cycle_from(start, dep, [*seen, dep])
+                if found:
+                    return found
+        return None
+
+    cycles = [cycle_from(m, m, [m]) for m in graph if m != "fora_plugin"]
+    assert [c for c in cycles if c] == []
+
+
+def test_third_party_noise_is_silenced_by_its_exact_text_only(caplog):
+    import logging
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from fora_plugin.cli import quiet_third_party_noise
+
+    quiet_third_party_noise()
+    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING):
+        bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please ...", "No module")
+        bnb.warning("Some other bitsandbytes warning")
+    assert [r.getMessage() for r in caplog.records] == ["Some other bitsandbytes warning"]
+
+    def peft_warnings(quiet: bool) -> list[str]:
+        # PEFT reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if quiet:
+                quiet_third_party_noise()
+            get_peft_model(tiny_llama(2), LoraConfig(r=2, target_modules=TARGETS))
+        return [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+
+    assert any("is_gradient_checkpointing" in m for m in peft_warnings(quiet=False))
+    assert peft_warnings(quiet=True) == []
+
+
+def test_fora_train_prints_no_warning_our_code_or_config_causes(setup, tmp_path):
+    # The real command in a fresh process, as a user runs it (the setup's config is shaped like the quickstart's).
+    import os
+    import subprocess
+    import sys
+
+    _, path = setup
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONWARNINGS")}
+    command = [sys.executable, "-m", "fora_plugin.cli", "train", str(path), "--max_steps", "1"]
+    done = subprocess.run(
+        [*command, "--output_dir", str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    output = done.stdout + done.stderr
+    for noise in ("Warning:", "is deprecated", "Setting accelerator to CPU"):
+        assert noise not in output, output
+    assert "FoRA training done" in output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,35 @@ def test_hub_names_go_to_datasets(monkeypatch):
     dataset = load_train_dataset("tatsu-lab/alpaca", config_name="default", split="train[:2]")
     assert calls == [("tatsu-lab/alpaca", {"name": "default", "split": "train[:2]"})]
     assert dataset.column_names == ["prompt", "completion"]
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [[{"question": "2+3?", "answer": "5"}], [{"instruction": "Add.", "response": "5"}], [{"prompt": "2+3="}]],
+)
+def test_rows_in_no_accepted_format_name_the_file_the_columns_and_the_formats(tmp_path, rows):
+    path = write_jsonl(tmp_path / "qa.jsonl", rows)
+    columns = re.escape(str(sorted(rows[0])))
+    with pytest.raises(ValueError, match=rf"qa\.jsonl has rows with columns {columns}.*instruction \+ output"):
+        load_train_dataset(str(path))
+
+
+def test_an_empty_file_is_refused(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    with pytest.raises(ValueError, match=r"empty\.jsonl"):
+        load_train_dataset(str(path))
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("rows.json", '[{"instruction": "a", "output": "b"},\n {"instruction": "c" "output": "d"}]', "JSON"),
+        ("rows.jsonl", '{"text": "a"}\n{"text": "b"}\n{"text": c}\n', "JSON Lines"),
+    ],
+)
+def test_malformed_json_names_the_file_and_the_line(tmp_path, name, text, message):
+    (tmp_path / name).write_text(text)
+    line = 3 if name.endswith("l") else 2
+    with pytest.raises(ValueError, match=rf"{re.escape(name)} is not valid {message}: .* at line {line}, column"):
+        load_train_dataset(str(tmp_path / name))

@@ -1,5 +1,6 @@
 """Every shipped config parses into valid SFT, LoRA and FoRA settings."""
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,13 @@ def test_ablation_config_trains_the_whole_grid_on_bundled_data(tmp_path):
     path.write_text(yaml.safe_dump(training))
     *_, fora = parse_config(str(path), ["--bf16", "false", "--use_cpu", "true"])
     assert fora.layer_budget == 0.5
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_config_parses_without_deprecation_warnings(path):
+    # What the user sees first: no FutureWarning about a key our own configs set (e.g. gradient_checkpointing).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parse_config(str(path), ["--bf16", "false", "--use_cpu", "true"])
+    deprecated = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert deprecated == []

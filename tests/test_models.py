@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -122,3 +123,18 @@ def test_bundled_gemma_is_converted_only_once(gemma_folder, gemma_cache, monkeyp
     assert resolve_model_path(BUNDLED_GEMMA, cache_dir=gemma_cache) == gemma_folder
     assert calls == []
     assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("name", ["./no_model", "../no_model", "models/tiny/v1", "~/no_model_here"])
+def test_a_missing_local_model_folder_is_refused(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ValueError, match=rf"model_name_or_path='{re.escape(name)}' is a local path, but .* not a folder"
+    ):
+        resolve_model_path(name, cache_dir=tmp_path / "cache")
+
+
+def test_a_file_is_not_a_model_folder(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"weights\.bin is not a folder"):
+        resolve_model_path(str(tmp_path / "weights.bin"), cache_dir=tmp_path / "cache")

@@ -1,6 +1,7 @@
 """Adapter diagnostics against hand computations and the paper's Lemma."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -86,3 +87,85 @@ def test_kl_to_base_is_zero_at_initialisation_and_positive_after_a_change():
 def test_a_non_adapter_folder_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"is not a PEFT adapter folder"):
         adapter_report(tmp_path)
+
+
+def test_kl_to_base_gives_the_model_back_in_its_mode():
+    from conftest import char_tokenizer
+
+    model = get_peft_model(tiny_llama(vocab_size=99), LoraConfig(r=4, target_modules=TARGETS, lora_dropout=0.1))
+    model.train()
+    kl_to_base(model, char_tokenizer(), "hello fora")
+    assert model.training and all(m.training for m in model.modules())
+    model.eval()
+    kl_to_base(model, char_tokenizer(), "hello fora")
+    assert not any(m.training for m in model.modules())
+
+
+def test_report_scales_each_module_by_its_rank_and_alpha_pattern(tmp_path):
+    # Reference: PEFT's own ΔW of each module (get_delta_weight: scaling · B A with that module's r and alpha).
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        rank_pattern={"v_proj": 2},
+        alpha_pattern={"layers.1.self_attn.q_proj": 32},
+    )
+    model = get_peft_model(tiny_llama(), config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+    model.save_pretrained(tmp_path / "adapter")
+    report = adapter_report(tmp_path / "adapter")
+    for m in report["modules"]:
+        layer = model.get_submodule(m["module"])
+        expected = torch.linalg.svdvals(layer.get_delta_weight("default").double())[: m["rank"]]
+        assert m["rank"] == (2 if m["type"] == "v_proj" else 4)
+        found = torch.tensor(m["singular_values"], dtype=torch.float64)
+        assert torch.allclose(found, expected, rtol=1e-5), m["module"]
+    q1 = next(m for m in report["modules"] if m["module"].endswith("layers.1.self_attn.q_proj"))
+    assert q1["scaling"] == 8.0  # alpha 32 / r 4
+
+
+def test_report_refuses_an_adapter_holding_nan(saved_adapter):
+    adapter_dir, _ = saved_adapter
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    key = next(k for k in tensors if "lora_A" in k)
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, adapter_dir / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=rf"holds NaN/inf weights in 1 tensors \({re.escape(key)}\).*diverged"):
+        adapter_report(adapter_dir)
+
+
+@pytest.mark.parametrize("variant", [{}, {"use_dora": True}, {"use_rslora": True}])
+def test_merged_delta_weight_is_merged_minus_base_for_lora_dora_and_rslora(variant):
+    import copy
+
+    from peft.tuners.lora import LoraLayer
+
+    from fora_plugin.report import merged_delta_weight, merged_mean_effective_rank
+
+    base = tiny_llama()
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, **variant))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:  # DoRA's magnitude too: ΔW then rescales W's columns
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    # Reference: PEFT's merge_and_unload of a float64 copy, minus the base weights.
+    merged = copy.deepcopy(model).double().merge_and_unload()
+    base_weights = dict(base.double().named_parameters())
+    ranks = []
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            key = name.removeprefix("base_model.model.") + ".weight"
+            expected = dict(merged.named_parameters())[key] - base_weights[key]
+            delta = merged_delta_weight(module, "default")
+            assert torch.allclose(delta, expected, atol=1e-12), name
+            ranks.append(effective_rank(torch.linalg.svdvals(expected)))
+    assert merged_mean_effective_rank(model) == pytest.approx(sum(ranks) / len(ranks), rel=1e-9)
+    if variant.get("use_dora"):  # the magnitude makes ΔW full rank: B·A alone (rank 4) would under-report it
+        assert merged_mean_effective_rank(model) > 4.5

