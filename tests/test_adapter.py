@@ -1,12 +1,17 @@
 """make_stiefel on real PEFT LoRA models, and the parameter groups build_fora_optimizer makes from them."""
 
+import json
+import warnings
+
 import pytest
 import torch
-from conftest import TARGETS, tiny_llama
+from conftest import GPT2_TARGETS, TARGETS, tiny_gpt2, tiny_llama
 from peft import LoraConfig, get_peft_model
 
-from fora_plugin import build_fora_optimizer, make_stiefel, stiefel_parameters
+from fora_plugin import FoRAConfig, build_fora_optimizer, make_stiefel, stiefel_parameters
+from fora_plugin.fisher import find_decoder_layers
 from fora_plugin.stiefel import orthogonality_error
+from fora_plugin.wiring import SCORES_FILE, FoRASelection, choose_layers, init_fora_adapters, restrict_lora_config
 
 
 def lora(model, r=4, adapter_name="default", **kwargs):
@@ -113,3 +118,79 @@ def test_without_stiefel_adapters_there_is_no_stiefel_group(llama):
     assert not opt.stiefel_groups
     with pytest.raises(ValueError, match=r"no trainable parameter"):
         build_fora_optimizer(tiny_llama().requires_grad_(False))
+
+
+def fora_wrap(base, config, chosen, seed=0):
+    """What readapt_lora does on a fresh base: LoRA on the chosen layers only, Stiefel lora_B."""
+    prefix, layers = find_decoder_layers(base)
+    selection = FoRASelection(chosen, len(layers), prefix)
+    restrict_lora_config(config, base, selection)
+    model = get_peft_model(base, config)
+    init_fora_adapters(model, selection, FoRAConfig(layers=chosen), seed)
+    return model, selection
+
+
+def adapted_layers(model):
+    """Decoder layers with a trainable parameter (Llama's model.layers.i, GPT-2's transformer.h.i)."""
+    found = set()
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        index = next((parts[k + 1] for k, part in enumerate(parts[:-1]) if part in ("layers", "h")), None)
+        if param.requires_grad and index is not None:
+            found.add(int(index))
+    return found
+
+
+def test_gpt2_conv1d_targets_get_stiefel_lora_on_the_chosen_layers(token_batch):
+    # GPT-2's projections are Conv1D (weight (in, out)): they were refused as "match no linear".
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(GPT2_TARGETS), fan_in_fan_out=True)
+    model, selection = fora_wrap(tiny_gpt2(), config, [1, 3])
+    assert selection.target_modules == [f"transformer.h.{i}.{t}" for i in (1, 3) for t in ("attn.c_attn", "mlp.c_fc")]
+    assert adapted_layers(model) == {1, 3}
+    for _, weight in stiefel_parameters(model):
+        assert orthogonality_error(weight.detach()) < 1e-6
+    assert len(stiefel_parameters(model)) == 4
+    # c_attn: 32 -> 96, c_fc: 32 -> 128; r = 4; LoRA on the 4 layers would have twice these parameters.
+    assert selection.trainable_parameters == {1: 4 * (32 + 96) + 4 * (32 + 128), 3: 4 * (32 + 96) + 4 * (32 + 128)}
+    assert selection.lora_all_layers_parameters == 4 * selection.trainable_parameters[1]
+    assert torch.equal(logits(model, token_batch), logits(tiny_gpt2(), token_batch))
+
+
+def test_modules_to_save_inside_decoder_layers_follow_the_chosen_layers():
+    config = LoraConfig(r=4, target_modules=TARGETS, modules_to_save=["post_attention_layernorm", "lm_head"])
+    model, _ = fora_wrap(tiny_llama(), config, [0, 2])
+    saved = {n.split(".modules_to_save")[0] for n, p in model.named_parameters() if "modules_to_save" in n}
+    assert saved == {
+        "base_model.model.model.layers.0.post_attention_layernorm",
+        "base_model.model.model.layers.2.post_attention_layernorm",
+        "base_model.model.lm_head",
+    }
+    assert adapted_layers(model) == {0, 2}
+
+
+def _checkpoint_with_layers(tmp_path, chosen):
+    folder = tmp_path / "checkpoint-5"
+    folder.mkdir()
+    (folder / SCORES_FILE).write_text(json.dumps(FoRASelection(chosen, 4, "model.layers").to_dict()))
+    return str(folder)
+
+
+def test_resume_with_other_explicit_layers_is_refused_naming_both(tmp_path):
+    checkpoint = _checkpoint_with_layers(tmp_path, [1, 3])
+    never = lambda: pytest.fail("a resumed run is not scored")  # noqa: E731
+    message = r"layers=\[0, 2\] differ from the layers \[1, 3\] that checkpoint \S*checkpoint-5"
+    with pytest.raises(ValueError, match=message):
+        choose_layers(tiny_llama(), FoRAConfig(layers=[2, 0]), seed=0, checkpoint=checkpoint, score=never)
+    same = choose_layers(tiny_llama(), FoRAConfig(layers=[3, 1]), seed=0, checkpoint=checkpoint, score=never)
+    assert same.chosen == [1, 3]
+
+
+def test_resume_with_another_budget_warns_that_the_checkpoint_layers_are_kept(tmp_path):
+    checkpoint = _checkpoint_with_layers(tmp_path, [1, 3])
+    never = lambda: pytest.fail("a resumed run is not scored")  # noqa: E731
+    with pytest.warns(UserWarning, match=r"layer_budget=3 gives K=3 layers, but checkpoint .* K=2 layers \[1, 3\]"):
+        selection = choose_layers(tiny_llama(), FoRAConfig(layer_budget=3), seed=0, checkpoint=checkpoint, score=never)
+    assert selection.chosen == [1, 3] and selection.source == "checkpoint"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert choose_layers(tiny_llama(), FoRAConfig(), seed=0, checkpoint=checkpoint, score=never).chosen == [1, 3]
