@@ -7,6 +7,11 @@ tangent part carried to the new point (Q commutes with W, so this is Q·W(m)B_t:
 point). Matrices of one shape are stacked and updated together, so the kernel launches per step do not grow with
 the number of adapters.
 
+The step reads the matrices only through the 2r x 2r Gram matrix of [B, m] (a sum over rows) and ‖G‖². A ``lora_B``
+sharded by rows (a DTensor with ``Shard(0)`` placements, as FSDP2's ``fully_shard`` makes it) is therefore stepped
+exactly on its local rows: the Gram matrices and ‖G‖² of a bucket are summed by one all-reduce over the mesh, every
+rank solves the same small systems and updates its own rows.
+
 `FoRAOptimizer` is the one `torch.optim.Optimizer` a trainer sees: AdamW groups first (lora_A and every other
 trainable parameter), the Stiefel group last. HF's LR scheduler and gradient clipping act on all groups at once,
 which two separate optimizers would not give.
@@ -14,19 +19,33 @@ which two separate optimizers would not give.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import AdamW, Optimizer
 
-from .stiefel import CAYLEY_SOLVERS, cayley_coefficients, qr_retraction
+from .stiefel import CAYLEY_SOLVERS, cayley_coefficients, cholesky_qr, inverse_cholesky_factor, qr_retraction
+
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without torch.distributed
+    DTensor = None
 
 
 # State entries kept in the compute dtype (fp32, or fp64 for fp64 parameters), whatever the parameter's dtype.
 _COMPUTE_STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
+# Counters, one per matrix (per expert block): steps taken, steps skipped, re-projections onto the manifold.
+_COUNTER_KEYS = ("step", "skipped_steps", "reprojections")
+
+# ‖BᵀB − I‖_F above which a matrix is re-projected onto the manifold within the step. An fp32 Cayley-Adam run
+# stays below 1e-4 for thousands of steps; more means the step size or the gradients have gone wrong.
+REPROJECT_THRESHOLD = 1e-3
 
 
 def _compute_dtype(p: torch.Tensor) -> torch.dtype:
@@ -34,17 +53,27 @@ def _compute_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
+def _is_real_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def _check_hyperparameters(group: dict[str, Any]) -> None:
     lr, eps, qr_period = group["lr"], group["eps"], group["qr_period"]
-    if not isinstance(lr, (float, int)) or lr < 0:
-        raise ValueError(f"CayleyAdam lr={lr!r} is invalid: use a float >= 0 (the paper uses 1e-3).")
+    if not _is_real_number(lr) or lr < 0:
+        raise ValueError(f"CayleyAdam lr={lr!r} is invalid: use a finite float >= 0 (the paper uses 1e-3).")
     betas = group["betas"]
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+    if len(betas) != 2 or not all(_is_real_number(b) and 0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"CayleyAdam betas={betas!r} is invalid: use two floats in [0, 1), e.g. (0.9, 0.99).")
-    if eps < 0:
-        raise ValueError(f"CayleyAdam eps={eps!r} is invalid: use a float >= 0, e.g. 1e-8.")
+    if not _is_real_number(eps) or eps < 0:
+        raise ValueError(f"CayleyAdam eps={eps!r} is invalid: use a finite float >= 0, e.g. 1e-8.")
     if isinstance(qr_period, bool) or not isinstance(qr_period, int) or qr_period < 0:
         raise ValueError(f"CayleyAdam qr_period={qr_period!r} is invalid: use an int >= 0 (0 = never re-project).")
+    threshold = group["reproject_threshold"]
+    if not _is_real_number(threshold) or threshold <= 0:
+        raise ValueError(
+            f"CayleyAdam reproject_threshold={threshold!r} is invalid: use a finite float > 0 (default "
+            f"{REPROJECT_THRESHOLD}, the ‖BᵀB − I‖ above which B is re-projected onto the manifold)."
+        )
     if group["cayley_solver"] not in CAYLEY_SOLVERS:
         raise ValueError(
             f"CayleyAdam cayley_solver={group['cayley_solver']!r} is invalid: use one of "
@@ -53,9 +82,15 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
     iters = group["cayley_iters"]
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"CayleyAdam cayley_iters={iters!r} is invalid: use an int >= 1 (the paper uses 5).")
+    experts = group["num_experts"]
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise ValueError(
+            f"CayleyAdam num_experts={experts!r} is invalid: use an int >= 1, the number of (d_out, r) expert "
+            "blocks interleaved in each lora_B of the group (1 for an ordinary LoRA layer)."
+        )
 
 
-def _check_stiefel_parameter(p: torch.Tensor, index: int) -> None:
+def _check_stiefel_parameter(p: torch.Tensor, index: int, num_experts: int = 1) -> None:
     if not p.is_floating_point():
         raise TypeError(f"CayleyAdam parameter #{index} has dtype {p.dtype}; a Stiefel matrix must be floating point.")
     if p.ndim != 2:
@@ -63,12 +98,54 @@ def _check_stiefel_parameter(p: torch.Tensor, index: int) -> None:
             f"CayleyAdam parameter #{index} has shape {tuple(p.shape)}: only 2-D (d_out, r) matrices "
             "can be kept column-orthonormal. Put 1-D parameters (biases, norms) in an AdamW group."
         )
-    d, r = p.shape
+    d, width = p.shape
+    if width % num_experts:
+        raise ValueError(
+            f"CayleyAdam parameter #{index} has shape {tuple(p.shape)} in a group with num_experts={num_experts}: "
+            f"its {width} columns are not r columns for each of {num_experts} experts. Put it in the group of its "
+            "own number of experts (PEFT's lora_B of E experts has r·E columns)."
+        )
+    r = width // num_experts
     if d < r:
         raise ValueError(
             f"CayleyAdam parameter #{index} has shape {tuple(p.shape)} with d_out={d} < r={r}: it "
             f"cannot have {r} orthonormal columns. Use a LoRA rank r <= {d} for this module."
         )
+    if DTensor is not None and isinstance(p, DTensor):
+        _reduce_groups(p)  # refuses a layout the row-sharded step cannot handle
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rows this rank holds: the local shard of a DTensor, the tensor itself otherwise."""
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def _reduce_groups(p: torch.Tensor) -> tuple:
+    """The process groups over which a sum over ``p``'s rows must be all-reduced (empty for a plain tensor)."""
+    if DTensor is None or not isinstance(p, DTensor):
+        return ()
+    groups = []
+    for dim, placement in enumerate(p.placements):
+        if placement.is_shard(0):
+            groups.append(p.device_mesh.get_group(dim))
+        elif not placement.is_replicate():
+            raise ValueError(
+                f"CayleyAdam got a DTensor lora_B of shape {tuple(p.shape)} with placements {p.placements}: the "
+                "Cayley step needs whole rows on each rank. Shard it by rows (Shard(0), as FSDP2's fully_shard "
+                "does) or replicate it."
+            )
+    return tuple(groups)
+
+
+def _all_reduce(tensor: torch.Tensor, groups: tuple) -> None:
+    for group in groups:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+def _expert_blocks(t: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(d, r·E) -> (E, d, r) view: PEFT interleaves the experts' columns, expert e's B is column e, e + E, ..."""
+    d, width = t.shape
+    return t.view(d, width // num_experts, num_experts).permute(2, 0, 1)
 
 
 class CayleyAdam(Optimizer):
@@ -79,18 +156,30 @@ class CayleyAdam(Optimizer):
     parameter): a bf16/fp16 parameter gets an fp32 master copy in the optimizer state, and its stored value is the
     master rounded.
 
+    A group with ``"num_experts": E`` holds PEFT ``lora_B`` of E experts, (d_out, r·E) with the experts' columns
+    interleaved: each expert's (d_out, r) block is its own Stiefel matrix, with its own second moment, step count
+    and re-projection; state counters then have shape (E,).
+
+    A parameter may be a DTensor sharded by rows (``Shard(0)``, e.g. under FSDP2): the step runs on the local rows
+    and sums the Gram matrices over the mesh, so every rank computes the step of the whole matrix. Its ``exp_avg``
+    (and ``master``) are DTensors with the parameter's placements; the scalars are replicated plain tensors.
+
     A matrix whose gradient holds inf/NaN skips its step (B, m and v unchanged) and its ``skipped_steps`` state
-    counter grows; the other matrices of the batch step as usual.
+    counter grows; the other matrices of the batch step as usual. A matrix that has drifted from the manifold by
+    more than ``reproject_threshold`` (‖BᵀB − I‖_F, read from the Gram matrix the step forms anyway) is re-projected
+    in the same step and its ``reprojections`` counter grows: no host sync.
 
     Args:
         params: iterable of parameters or of param-group dicts.
         lr: Cayley step size (the paper's lr_B, 1e-3).
         betas: decay of the first moment and of the scalar second moment.
-        eps: added to √v̂.
-        qr_period: re-project every matrix onto the manifold by QR every ``qr_period`` steps; 0 = never.
+        eps: added to √v̂. 0 is allowed: a matrix that has only seen zero gradients does not move.
+        qr_period: re-project every matrix onto the manifold every ``qr_period`` steps; 0 = never.
+        reproject_threshold: re-project a matrix whose ‖BᵀB − I‖_F exceeds this.
         cayley_solver: ``"exact"`` (Woodbury, one 2r x 2r solve) or ``"fixed_point"`` (the paper's iteration; its
             step is capped at 1/‖W‖_F so that the iteration contracts).
         cayley_iters: iterations of the fixed-point solver.
+        num_experts: expert blocks per parameter (a group key; 1 for ordinary LoRA).
     """
 
     def __init__(
@@ -102,6 +191,8 @@ class CayleyAdam(Optimizer):
         qr_period: int = 200,
         cayley_solver: str = "exact",
         cayley_iters: int = 5,
+        reproject_threshold: float = REPROJECT_THRESHOLD,
+        num_experts: int = 1,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -110,6 +201,8 @@ class CayleyAdam(Optimizer):
             qr_period=qr_period,
             cayley_solver=cayley_solver,
             cayley_iters=cayley_iters,
+            reproject_threshold=reproject_threshold,
+            num_experts=num_experts,
             stiefel=True,
             steps=0,
         )
@@ -120,7 +213,7 @@ class CayleyAdam(Optimizer):
         group = self.param_groups[-1]
         _check_hyperparameters(group)
         for index, p in enumerate(group["params"]):
-            _check_stiefel_parameter(p, index)
+            _check_stiefel_parameter(p, index, group["num_experts"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -138,11 +231,16 @@ class CayleyAdam(Optimizer):
 
     def skipped_steps(self) -> int:
         """Matrix steps skipped for a non-finite gradient so far, over all parameters (one host sync)."""
-        return _count_skipped(self)
+        return _count(self, "skipped_steps")
+
+    def reprojections(self) -> int:
+        """Matrices re-projected onto the manifold for drifting too far so far, over all parameters (one host sync).
+        Periodic ``qr_period`` re-projections are not counted."""
+        return _count(self, "reprojections")
 
 
-def _count_skipped(optimizer: Optimizer) -> int:
-    counts = [s["skipped_steps"] for s in optimizer.state.values() if "skipped_steps" in s]
+def _count(optimizer: Optimizer, key: str) -> int:
+    counts = [s[key].sum() for s in optimizer.state.values() if key in s]
     return int(torch.stack(counts).sum()) if counts else 0
 
 
@@ -159,21 +257,34 @@ def _restore_fp32_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> Non
                 if key in saved_state:
                     optimizer.state[p][key] = saved_state[key].to(dtype=_compute_dtype(p), device=p.device)
             # torch leaves "step" where the file put it (a CPU tensor stacked with CUDA ones would fail).
-            for key in ("step", "skipped_steps"):
+            for key in _COUNTER_KEYS:
                 if key in saved_state:
                     optimizer.state[p][key] = saved_state[key].to(device=p.device)
 
 
-def _init_state(state: dict[str, Any], p: torch.Tensor) -> None:
+def _init_state(state: dict[str, Any], p: torch.Tensor, num_experts: int) -> None:
     device, dtype = p.device, _compute_dtype(p)
-    point = qr_retraction(p.detach().to(dtype))  # (d, r) on the manifold
+    groups = _reduce_groups(p)
+    # An fp32 p is projected in place; a bf16 p gets an fp32 copy (a DTensor with p's placements for a DTensor p).
+    master = p.detach() if p.dtype == dtype else p.detach().to(dtype)
+    blocks = _expert_blocks(_local(master), num_experts)  # (E, d_local, r) view into master
+    if groups:
+        # Cholesky-QR2 on the local rows with the Gram matrix of the whole matrix: one all-reduce per pass.
+        for _ in range(2):
+            gram = blocks.mT @ blocks  # (E, r, r)
+            _all_reduce(gram, groups)
+            blocks.copy_(cholesky_qr(blocks, gram))
+    else:
+        blocks.copy_(qr_retraction(blocks))
     if p.dtype != dtype:
-        state["master"] = point
-    p.copy_(point)
-    state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-    state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=device)  # (d, r)
-    state["exp_avg_sq"] = torch.zeros((), dtype=dtype, device=device)
-    state["skipped_steps"] = torch.zeros((), dtype=torch.int64, device=device)
+        state["master"] = master
+        _local(p).copy_(_local(master))
+    counter_shape = () if num_experts == 1 else (num_experts,)
+    state["step"] = torch.zeros(counter_shape, dtype=torch.float32, device=device)
+    state["exp_avg"] = torch.zeros_like(master)  # (d, r·E), with p's placements for a DTensor
+    state["exp_avg_sq"] = torch.zeros(counter_shape, dtype=dtype, device=device)
+    state["skipped_steps"] = torch.zeros(counter_shape, dtype=torch.int64, device=device)
+    state["reprojections"] = torch.zeros(counter_shape, dtype=torch.int64, device=device)
 
 
 def stiefel_step_with_gradients(optimizer: CayleyAdam, grads: Mapping[torch.Tensor, torch.Tensor]) -> None:
@@ -187,15 +298,31 @@ def stiefel_step_with_gradients(optimizer: CayleyAdam, grads: Mapping[torch.Tens
             _cayley_adam_group_step(optimizer.state, group, grads)
 
 
+def _local_gradient(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    if DTensor is not None and isinstance(p, DTensor):
+        if not isinstance(grad, DTensor):
+            raise TypeError(
+                f"CayleyAdam: lora_B of shape {tuple(p.shape)} is a DTensor but its gradient is a plain tensor of "
+                f"shape {tuple(grad.shape)}: pass the gradient as a DTensor with the parameter's placements."
+            )
+        if grad.placements != p.placements:
+            grad = grad.redistribute(p.device_mesh, p.placements)
+        return grad.to_local()
+    return grad
+
+
 def _cayley_adam_group_step(
     state: dict[torch.Tensor, dict[str, Any]],
     group: dict[str, Any],
     grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     group["steps"] += 1
+    num_experts = group.get("num_experts", 1)  # a group saved before per-expert blocks existed has no key
     period = group["qr_period"]
-    reproject = period > 0 and group["steps"] % period == 0
-    buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    periodic = period > 0 and group["steps"] % period == 0
+    # Buckets by the whole matrix's shape and layout, which every rank sees alike: the all-reduces of a sharded
+    # bucket then pair up across ranks even where the local row counts differ.
+    buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
     for p in group["params"]:
         grad = p.grad if grads is None else grads.get(p)
         if grad is None:
@@ -203,11 +330,15 @@ def _cayley_adam_group_step(
         if grad.is_sparse:
             raise TypeError("CayleyAdam does not support sparse gradients.")
         if not state[p]:
-            _init_state(state[p], p)
-        buckets[(tuple(p.shape), p.device, _compute_dtype(p))].append(p)
-    for params in buckets.values():
-        bucket_grads = [p.grad if grads is None else grads[p] for p in params]
-        _cayley_adam_bucket_step(state, params, bucket_grads, group, reproject)
+            _init_state(state[p], p, num_experts)
+        for key in ("reprojections",):  # a state saved before the counter existed
+            if key not in state[p]:
+                state[p][key] = torch.zeros_like(state[p]["skipped_steps"])
+        layout = (id(p.device_mesh), tuple(p.placements)) if DTensor is not None and isinstance(p, DTensor) else None
+        buckets[(tuple(p.shape), p.device, _compute_dtype(p), layout)].append((p, _local_gradient(p, grad)))
+    for members in buckets.values():
+        params = [p for p, _ in members]
+        _cayley_adam_bucket_step(state, params, [g for _, g in members], group, periodic, _reduce_groups(params[0]))
 
 
 def _cayley_adam_bucket_step(
@@ -215,57 +346,96 @@ def _cayley_adam_bucket_step(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     group: dict[str, Any],
-    reproject: bool,
+    periodic: bool,
+    reduce_groups: tuple,
 ) -> None:
-    """One Cayley-Adam step for n matrices of one shape, stacked: a fixed number of kernels whatever n is."""
-    beta1, beta2 = group["betas"]
-    states = [state[p] for p in params]
-    masters = [s.get("master", p) for p, s in zip(params, states)]
-    exp_avgs = [s["exp_avg"] for s in states]
-    d, r = params[0].shape
-    dtype = exp_avgs[0].dtype
-    # B and m side by side in one scratch buffer: the Cayley step reads [B, m] as a whole, with no extra copy.
-    packed = torch.empty((len(params), d, 2 * r), dtype=dtype, device=params[0].device)  # (n, d, 2r)
-    B, m = packed[..., :r], packed[..., r:]  # (n, d, r) views
-    torch._foreach_copy_(list(B.unbind(0)), masters)
-    torch._foreach_copy_(list(m.unbind(0)), exp_avgs)
-    G = torch.stack(grads).to(dtype)  # (n, d, r)
-    v = torch.stack([s["exp_avg_sq"] for s in states])  # (n,)
-    step = torch.stack([s["step"] for s in states])  # (n,)
-    skipped = torch.stack([s["skipped_steps"] for s in states])  # (n,)
+    """One Cayley-Adam step for n matrices of one shape, stacked: a fixed number of kernels whatever n is.
 
-    grad_sq = G.square().sum(dim=(-2, -1))  # (n,) inf/nan iff some entry is (or the norm overflows)
-    finite = torch.isfinite(grad_sq)
+    Works on the local rows of each matrix; a sum over rows is all-reduced over ``reduce_groups`` (none for
+    plain tensors), once per bucket.
+    """
+    beta1, beta2 = group["betas"]
+    num_experts = group.get("num_experts", 1)
+    states = [state[p] for p in params]
+    masters = [_local(s.get("master", p)) for p, s in zip(params, states)]  # (d_local, r·E) each
+    exp_avgs = [_local(s["exp_avg"]) for s in states]
+    d, r = masters[0].shape[0], masters[0].shape[1] // num_experts
+    n = len(params) * num_experts
+    dtype, device = exp_avgs[0].dtype, exp_avgs[0].device
+    # [m_t, B, m_{t+1}] side by side in one scratch buffer: the step reads [B, m_{t+1}] as a whole with no extra
+    # copy, and m_t is still there for a matrix whose step is skipped.
+    packed = torch.empty((n, d, 3 * r), dtype=dtype, device=device)  # (n, d, 3r)
+    m_old, B, m = packed[..., :r], packed[..., r : 2 * r], packed[..., 2 * r :]  # (n, d, r) views
+    BM = packed[..., r:]  # (n, d, 2r): [B, m_{t+1}]
+
+    def blocks(stack: torch.Tensor) -> list[torch.Tensor]:  # (n, d, r) -> one (E, d, r) view per parameter
+        return list(stack.split(num_experts))
+
+    def expert_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [_expert_blocks(t, num_experts) for t in tensors]
+
+    torch._foreach_copy_(blocks(B), expert_views(masters))
+    torch._foreach_copy_(blocks(m_old), expert_views(exp_avgs))
+    torch._foreach_copy_(blocks(m), expert_views(grads))  # G, in the compute dtype
+    scalar_shape = () if num_experts == 1 else (num_experts,)
+
+    def stacked(key: str) -> torch.Tensor:  # (n,)
+        return torch.stack([s[key] for s in states]).reshape(n)
+
+    v, step, skipped, reprojected = (stacked(k) for k in ("exp_avg_sq", "step", "skipped_steps", "reprojections"))
+
+    grad_sq = m.square().sum(dim=(-2, -1))  # (n,) ‖G‖² of the local rows: inf/nan iff some entry is (or overflow)
+    # Zero a non-finite local gradient, so that the Gram matrices stay finite; the all-reduced ‖G‖² decides the skip.
+    m.masked_fill_(~torch.isfinite(grad_sq)[:, None, None], 0.0)
+    m.lerp_(m_old, beta1)  # m_{t+1} = β1 m_t + (1 − β1) G
+    gram = BM.mT @ BM  # (n, 2r, 2r), the only O(d·r²) product: [[BᵀB, Bᵀm], [mᵀB, mᵀm]] of the local rows
+    if reduce_groups:
+        sums = torch.cat((gram.reshape(n, -1), grad_sq[:, None]), dim=1)  # (n, 4r² + 1): one all-reduce
+        _all_reduce(sums, reduce_groups)
+        gram, grad_sq = sums[:, :-1].reshape(n, 2 * r, 2 * r), sums[:, -1]
+
+    finite = torch.isfinite(grad_sq)  # (n,) the same on every rank
     live = finite.to(dtype)  # (n,) 1 = step, 0 = skip
-    G.masked_fill_(~finite[:, None, None], 0.0)
     step += live
     skipped += (~finite).long()
-    m.lerp_(G, (1 - beta1) * live[:, None, None])
     v.lerp_(torch.where(finite, grad_sq, 0.0), (1 - beta2) * live)
+
+    # Re-projection by Cholesky-QR of B (B R⁻¹, RᵀR = BᵀB) before the step, folded into the coefficients: with
+    # T = diag(R⁻¹, I), [B R⁻¹, m] = [B, m] T and its Gram matrix is Tᵀ gram T. No host sync, no extra reduction.
+    eye_r = torch.eye(r, dtype=dtype, device=device)
+    drift = torch.linalg.matrix_norm(gram[:, :r, :r] - eye_r)  # (n,) ‖BᵀB − I‖_F
+    drifting = drift > group["reproject_threshold"]
+    r_inv, factored = inverse_cholesky_factor(gram[:, :r, :r])  # (n, r, r)
+    project = (drifting | periodic) & factored & finite
+    reprojected += (drifting & factored & finite).long()
+    T = torch.eye(2 * r, dtype=dtype, device=device).repeat(n, 1, 1)  # (n, 2r, 2r)
+    T[:, :r, :r] = torch.where(project[:, None, None], r_inv, eye_r)
+    gram = T.mT @ gram @ T
 
     # W is linear in m, so the bias-corrected W(m̂)/(√v̂ + ε) step of size lr is a step of size tau along W(m).
     t = step.to(dtype).clamp_min(1.0)
     bias1, bias2 = 1 - beta1**t, 1 - beta2**t
-    tau = live * group["lr"] / (bias1 * ((v / bias2).sqrt() + group["eps"]))  # (n,) 0 where skipped
-    coef = cayley_coefficients(packed, tau, solver=group["cayley_solver"], iters=group["cayley_iters"])
+    denominator = bias1 * ((v / bias2).sqrt() + group["eps"])  # (n,) 0 only if v = 0 and eps = 0
+    # v = 0 means every gradient so far was 0 (so m = 0): no move, rather than 0/0 = NaN when eps = 0.
+    tau = torch.where(denominator > 0, live * group["lr"] / denominator.clamp_min(torch.finfo(dtype).tiny), 0.0)
+    coef = T @ cayley_coefficients(BM, tau, gram=gram, solver=group["cayley_solver"], iters=group["cayley_iters"])
     # Applied as B + [B, m] (P_B − e_B): adding a small step to B keeps ~10x less drift than forming [B, m] P_B.
-    # A skipped matrix gets a zero step and keeps m: products with exact 0 and 1 reproduce both bit for bit.
-    e_b = torch.eye(2 * r, r, dtype=dtype, device=coef.device)  # (2r, r): B = [B, m] e_b
-    e_m = torch.eye(2 * r, dtype=dtype, device=coef.device)[:, r:]  # (2r, r): m = [B, m] e_m
-    coef = torch.where(finite[:, None, None], coef - torch.cat((e_b, 0 * e_b), -1), torch.cat((0 * e_b, e_m), -1))
-    out = packed @ coef  # (n, d, 2r): [B_{t+1} − B_t, W(m) B_{t+1}]
-    # The first moment becomes W(m) B_{t+1}: its tangent part, carried to the new point.
-    B, m = B + out[..., :r], out[..., r:]
-    if reproject:
-        B = torch.where(finite[:, None, None], qr_retraction(B), B)
+    e_b = torch.eye(2 * r, r, dtype=dtype, device=device)  # (2r, r): B = [B, m] e_b
+    coef[..., :r] -= e_b
+    out = BM @ coef  # (n, d, 2r): [B_{t+1} − B_t, W(m) B_{t+1}]
+    # The first moment becomes W(m) B_{t+1}: its tangent part, carried to the new point. A skipped matrix keeps
+    # B_t and m_t bit for bit.
+    keep = ~finite[:, None, None]
+    B_next = torch.where(keep, B, B + out[..., :r])
+    m_next = torch.where(keep, m_old, out[..., r:])
 
-    torch._foreach_copy_(masters, list(B.unbind(0)))
-    low_precision = [(p, b) for p, s, b in zip(params, states, B.unbind(0)) if "master" in s]
+    torch._foreach_copy_(expert_views(masters), blocks(B_next))
+    low_precision = [(_local(p), b) for p, s, b in zip(params, states, masters) if "master" in s]
     if low_precision:
         torch._foreach_copy_([p for p, _ in low_precision], [b for _, b in low_precision])
-    torch._foreach_copy_(exp_avgs, list(m.unbind(0)))
-    for key, values in (("exp_avg_sq", v), ("step", step), ("skipped_steps", skipped)):
-        torch._foreach_copy_([s[key] for s in states], list(values.unbind(0)))
+    torch._foreach_copy_(expert_views(exp_avgs), blocks(m_next))
+    for key, values in (("exp_avg_sq", v), ("step", step), ("skipped_steps", skipped), ("reprojections", reprojected)):
+        torch._foreach_copy_([s[key] for s in states], list(values.view(len(params), *scalar_shape).unbind(0)))
 
 
 class FoRAOptimizer(Optimizer):
@@ -330,7 +500,11 @@ class FoRAOptimizer(Optimizer):
 
     def skipped_steps(self) -> int:
         """Stiefel matrix steps skipped for a non-finite gradient so far (one host sync)."""
-        return _count_skipped(self)
+        return _count(self, "skipped_steps")
+
+    def reprojections(self) -> int:
+        """Stiefel matrices re-projected for drifting from the manifold so far (one host sync)."""
+        return _count(self, "reprojections")
 
 
 # Weight decay skips biases and normalisation weights, as transformers.Trainer.get_decay_parameter_names does.

@@ -48,6 +48,37 @@ def qr_retraction(B: torch.Tensor) -> torch.Tensor:
     return Q * signs.unsqueeze(-2)
 
 
+def cholesky_qr(B: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """Project ``B`` onto the manifold from its Gram matrix: B R⁻¹ with R the Cholesky factor of ``gram`` = BᵀB.
+
+    ``B`` (..., d_local, r) may be a block of rows of the whole matrix (a shard) and ``gram`` (..., r, r) the Gram
+    matrix of the whole one, summed over the shards by the caller: every shard then gets its rows of the same Q.
+    R has a positive diagonal, so Q is :func:`qr_retraction`'s sign-fixed factor. Its orthogonality error grows like
+    κ(B)² · eps (Cholesky-QR is not backward stable): for a point near the manifold (κ ≈ 1) that is rounding level;
+    for a far one, apply it twice (Cholesky-QR2, with the Gram of the first result).
+    """
+    L, info = torch.linalg.cholesky_ex(gram)  # (..., r, r) lower, gram = L Lᵀ
+    if torch.any(info != 0):
+        raise ValueError(
+            "cholesky_qr: the Gram matrix BᵀB is not positive definite, so B has (numerically) dependent columns "
+            "and no orthonormal basis of the same span: re-initialise it, e.g. with random_stiefel."
+        )
+    return torch.linalg.solve_triangular(L.mT, B, upper=True, left=False)  # (..., d_local, r): B R⁻¹, R = Lᵀ
+
+
+def inverse_cholesky_factor(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """R⁻¹ (..., r, r) with RᵀR = ``gram`` (R upper, positive diagonal), so that B R⁻¹ is :func:`cholesky_qr` of B.
+
+    No error and no host sync: where ``gram`` is not positive definite the factor is the identity and ``ok``
+    (a bool per matrix, shape (...)) is False.
+    """
+    L, info = torch.linalg.cholesky_ex(gram)  # (..., r, r)
+    ok = info == 0
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device).expand_as(gram)
+    L = torch.where(ok[..., None, None], L, eye)
+    return torch.linalg.solve_triangular(L.mT, eye, upper=True), ok  # R⁻¹ = (Lᵀ)⁻¹
+
+
 def orthogonality_error(B: torch.Tensor) -> torch.Tensor:
     """Drift from the manifold, ‖BᵀB − I‖_F, one value per matrix of the stack (..., d, r) -> (...)."""
     r = B.shape[-1]
@@ -74,6 +105,7 @@ def cayley_coefficients(
     BG: torch.Tensor,
     tau: float | torch.Tensor,
     *,
+    gram: torch.Tensor | None = None,
     solver: str = "exact",
     iters: int = 5,
 ) -> torch.Tensor:
@@ -89,6 +121,10 @@ def cayley_coefficients(
     coefficient matrices (U = G − ½ B S, S = BᵀG, L = [U, B], R = [B, −U]). So the step needs the Gram matrix of
     [B, G] and 2r x 2r algebra: O(d·r² + r³), no d x d matrix.
 
+    ``gram`` (..., 2r, 2r), if given, is used in place of BGᵀBG: for B and G sharded by rows, each shard passes its
+    own rows as ``BG`` and the Gram matrix of the whole [B, G] (the sum of the shards' Grams); the coefficients are
+    then those of the whole matrix, and ``BG @ P`` gives the shard's rows of the result.
+
     solver="exact": Sherman–Morrison–Woodbury, (I + τ/2 L Rᵀ)⁻¹ = I − τ/2 L (I + τ/2 RᵀL)⁻¹ Rᵀ, which gives
         B_next = B − τ L (I + τ/2 RᵀL)⁻¹ RᵀB (Wen & Yin 2013, Lemma 4): one 2r x 2r solve, exact up to rounding.
     solver="fixed_point": the paper's iteration Y ← B − τ/2 W (B + Y) from Y⁰ = B − τ W B, ``iters`` times. To keep it
@@ -99,7 +135,8 @@ def cayley_coefficients(
     if solver == "fixed_point" and iters < 1:
         raise ValueError(f"cayley_iters={iters} must be >= 1 for the fixed-point solver.")
     r = BG.shape[-1] // 2
-    gram = BG.mT @ BG  # (..., 2r, 2r): [[BᵀB, BᵀG], [GᵀB, GᵀG]], the only O(d·r²) product
+    if gram is None:
+        gram = BG.mT @ BG  # (..., 2r, 2r): [[BᵀB, BᵀG], [GᵀB, GᵀG]], the only O(d·r²) product
     S = gram[..., :r, r:]  # (..., r, r) BᵀG
     eye_r = torch.eye(r, dtype=BG.dtype, device=BG.device).expand_as(S)
     zero_r = torch.zeros_like(S)
