@@ -1,0 +1,319 @@
+"""FoRA under FSDP2: CPU ranks over gloo against single-process runs of the same global batches, and the checks."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import TARGETS, tiny_llama
+from peft import LoraConfig, get_peft_model
+from test_zero import free_port
+
+from fora_plugin import FoRAConfig, build_fora_optimizer, make_stiefel
+from fora_plugin.fsdp import (
+    check_fsdp,
+    check_sharded_training,
+    gathered_adapters,
+    prepare_fsdp2,
+)
+from fora_plugin.stiefel import orthogonality_error
+from fora_plugin.wiring import FoRALogs, FoRASelection
+
+
+sys.path.insert(0, str(Path(__file__).parent / "distributed"))
+import fsdp_engine  # noqa: E402
+
+
+HERE = Path(__file__).parent
+WORLDS = (2, 3)  # 2: uneven row splits (65 -> 33/32); 3: also a rank holding no row of a lora_B (4 -> 2/2/0)
+
+
+def torchrun(script: Path, *args: str, nproc: int = 2, timeout: int = 600) -> None:
+    """``torchrun --nproc_per_node nproc`` of a script of tests/distributed on CPU processes over gloo."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    result = subprocess.run(
+        [*command, "--master_port", free_port(), str(script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=HERE.parent,
+    )
+    if result.returncode != 0:
+        output = result.stdout[-4000:] + result.stderr[-8000:]
+        pytest.fail(f"torchrun {script.name} failed (rc={result.returncode}):\n{output}")
+
+
+# ------------------------------------------------------------------------------------- fully_shard, driven directly
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory):
+    runs = {}
+    for world in WORLDS:
+        out = tmp_path_factory.mktemp(f"fsdp{world}")
+        torchrun(HERE / "distributed" / "fsdp_engine.py", str(out), nproc=world)
+        runs[world] = [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    return {world: fsdp_engine.train_single_process(world) for world in WORLDS}
+
+
+@pytest.fixture(scope="module")
+def tolerance(single_process):
+    """5x the float noise of the single-process run itself: the same run with its micro-batch gradients summed in
+    another order (FSDP2's reduce-scatter changes the order, and Adam's normalisation magnifies the rounding of
+    near-zero gradient entries)."""
+    original = fsdp_engine.micro_batch
+    noise = {}
+    try:
+        fsdp_engine.micro_batch = lambda b, w, r, m: original(b, w, w - 1 - r, fsdp_engine.GAS - 1 - m)
+        for world in WORLDS:
+            reordered = fsdp_engine.train_single_process(world)["lora"]
+            reference = single_process[world]["lora"]
+            noise[world] = 5 * max(max((reference[k] - reordered[k]).abs().max().item() for k in reference), 1e-6)
+    finally:
+        fsdp_engine.micro_batch = original
+    return noise
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+def test_sharded_run_matches_single_process_run(engine_runs, single_process, tolerance, world):
+    reference = single_process[world]
+    run = engine_runs[world][0]["train"]
+    assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    for name, tensor in reference["lora"].items():
+        assert (run["lora"][name] - tensor).abs().max().item() < tolerance[world], name
+
+
+@pytest.mark.slow
+def test_tolerance_separates_a_step_not_skipped(single_process, tolerance, monkeypatch):
+    # A rank that stepped with its own finite rows where the NaN rows of another rank were skipped would have taken
+    # the step: the run without the NaN (that step clipped and taken) lands far outside the tolerance.
+    monkeypatch.setattr(fsdp_engine, "NAN_STEP", -1)
+    stepped = fsdp_engine.train_single_process(2)["lora"]
+    reference = single_process[2]["lora"]
+    assert max((reference[k] - stepped[k]).abs().max().item() for k in reference) > 10 * tolerance[2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+def test_ranks_agree_and_lora_b_stays_orthonormal(engine_runs, world):
+    first, *others = engine_runs[world]
+    for other in others:
+        for name, tensor in first["train"]["lora"].items():
+            assert torch.equal(tensor, other["train"]["lora"][name]), name
+    drift = max(orthogonality_error(t).item() for n, t in first["train"]["lora"].items() if "lora_B" in n)
+    assert drift < 1e-5
+    assert first["train"]["exp_avg_type"] == "DTensor"  # the Cayley moment is sharded like lora_B
+
+
+@pytest.mark.slow
+def test_row_splits_are_uneven_and_a_rank_holds_no_row(engine_runs):
+    def rows(world, suffix):
+        return [run["train"]["local_rows"][f"base_model.model.model.layers.1.{suffix}"] for run in engine_runs[world]]
+
+    assert rows(2, "mlp.up_proj.lora_B.default.weight") == [33, 32]
+    assert rows(3, "self_attn.k_proj.lora_B.default.weight") == [2, 2, 0]
+    assert rows(3, "mlp.up_proj.lora_B.default.weight") == [22, 22, 21]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_nan_in_one_ranks_rows_skips_that_step_on_every_rank(engine_runs, single_process, world):
+    # The NaN sits in rank 0's rows only; the finite check is on the all-reduced ‖G‖², so every rank skips.
+    assert [run["train"]["nan_param_skipped"] for run in engine_runs[world]] == [1] * world
+    assert (
+        [run["train"]["skipped"] for run in engine_runs[world]]
+        == [single_process[world]["skipped"]] * world
+        == [1] * world
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+def test_resume_from_sharded_state_dicts_continues_the_same_run(engine_runs, world):
+    # torch.distributed.checkpoint of the sharded model and optimizer state (the Cayley moments are DTensors).
+    for run in engine_runs[world]:
+        assert run["resumed"]["losses"] == pytest.approx(run["train"]["losses"], rel=1e-6)
+        assert run["resumed"]["skipped"] == run["train"]["skipped"]
+        for name, tensor in run["train"]["lora"].items():
+            torch.testing.assert_close(run["resumed"]["lora"][name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("fisher_params", ["layer", "targets"])
+def test_fisher_scores_on_the_sharded_model_equal_one_process(engine_runs, world, fisher_params):
+    # Each rank scores its own batches by x/g (and norms by a local re-run); the reference keeps whole autograd
+    # weight gradients of every batch in one process.
+    reference = fsdp_engine.fisher_single_process(world, fisher_params)
+    for run in engine_runs[world]:
+        scores = run["fisher"]["scores"][fisher_params]
+        assert not isinstance(scores, str), scores
+        assert scores == pytest.approx(reference, rel=1e-5)
+        assert run["fisher"]["grads_left"] == []
+
+
+@pytest.mark.slow
+def test_scoring_the_sharded_model_holds_no_base_weight_gradient(engine_runs):
+    for run in engine_runs[2]:
+        fisher = run["fisher"]
+        assert fisher["grads_after_scoring"] == []
+        # The keep-all-gradients backward ends holding this rank's rows of every layer weight's gradient (and held a
+        # whole layer's before its reduce-scatter); the scoring peak stays below it by at least those rows.
+        assert fisher["keep_all_peak"] - fisher["scoring_peak"] >= fisher["local_layer_grad_bytes"], fisher
+
+
+@pytest.mark.slow
+def test_ranks_that_chose_different_layers_are_refused(engine_runs):
+    for run in engine_runs[2]:
+        assert "The ranks chose different layers for LoRA: [[0, 1], [0, 2]]" in run["differing_selection"]
+
+
+# ------------------------------------------------------------------------------------------- one-process checks
+FORA = FoRAConfig(mode="fora")
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    """A 1-rank gloo process group and its CPU mesh: fully_shard then makes DTensors in this process."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def peft_llama(layers=(0, 1)):
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, layers_to_transform=list(layers), lora_dropout=0.0)
+    model = get_peft_model(tiny_llama(num_layers=2), config)
+    make_stiefel(model, generator=torch.Generator().manual_seed(0))
+    return model
+
+
+def fake_trainer(model):
+    callbacks = []
+    return SimpleNamespace(
+        model=model, args=SimpleNamespace(device=torch.device("cpu")), add_callback=callbacks.append
+    )
+
+
+def test_fsdp1_is_refused_and_fsdp2_is_taken(monkeypatch):
+    with pytest.raises(ValueError, match=r"fsdp=True \(FSDP1, .*cannot be combined with mode='fora': FSDP1 flattens"):
+        check_fsdp(SimpleNamespace(fsdp=True, fsdp_config={"version": 1}), FORA)
+    assert check_fsdp(SimpleNamespace(fsdp=True, fsdp_config={"version": 2}), FORA) == 2
+    assert check_fsdp(SimpleNamespace(fsdp=True, fsdp_config={"version": 1}), FoRAConfig(mode="lora")) == 1
+    assert check_fsdp(SimpleNamespace(fsdp=False, fsdp_config=None), FORA) is None
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ValueError, match=r"ACCELERATE_USE_FSDP=true \(FSDP1, from `accelerate launch`"):
+        check_fsdp(SimpleNamespace(fsdp=False, fsdp_config=None), FORA)
+
+
+def load_4bit(folder, storage):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_quant_storage=storage,
+    )
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization, device_map="cpu")
+
+
+def test_a_4bit_base_needs_a_float_quant_storage(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    tiny_llama(num_layers=2).save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"stored as torch.uint8 \(bnb_4bit_quant_storage\): FSDP2 cannot shard"):
+        prepare_fsdp2(fake_trainer(load_4bit(tmp_path / "model", torch.uint8)), FORA)
+    trainer = fake_trainer(load_4bit(tmp_path / "model", torch.bfloat16))
+    prepare_fsdp2(trainer, FORA)
+
+
+def test_weights_not_loaded_on_this_rank_cannot_be_scored():
+    with torch.device("meta"):
+        model = tiny_llama(num_layers=2)
+    with pytest.raises(ValueError, match=r"is on the meta device: .*fsdp_cpu_ram_efficient_loading: false"):
+        prepare_fsdp2(fake_trainer(model), FORA)
+    prepare_fsdp2(fake_trainer(model), FoRAConfig(layers=[0]))  # nothing to score: accepted
+
+
+def test_an_optimizer_left_on_the_unsharded_parameters_is_refused():
+    model = peft_llama()
+    stale = build_fora_optimizer(peft_llama())  # built on other tensors: the model was sharded after
+    with pytest.raises(ValueError, match=r"is not a parameter of the model: .*same accelerator.prepare"):
+        check_sharded_training(model, stale)
+
+
+def test_training_that_is_not_sharded_warns(caplog):
+    model = peft_llama()
+    check_sharded_training(model, build_fora_optimizer(model))
+    assert "FSDP2 is configured but the model is not sharded" in caplog.text
+
+
+def test_mixed_sharded_and_plain_trainables_are_refused(one_rank_mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    model = peft_llama()
+    fully_shard(model.base_model.model.model.layers[1], mesh=one_rank_mesh)  # layer 0's LoRA stays plain
+    with pytest.raises(ValueError, match=r"left the trainable .*layers\.0\..*'got mixed torch.Tensor and DTensor'"):
+        check_sharded_training(model, build_fora_optimizer(model))
+
+
+def sharded_like_accelerate(mesh, shard_placement_fn=None):
+    """A PEFT Llama sharded by fully_shard after its FoRA optimizer was built, the optimizer then pointed at the
+    sharded parameters: accelerate's order (fsdp2_switch_optimizer_parameters)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = peft_llama()
+    optimizer = build_fora_optimizer(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh, shard_placement_fn=shard_placement_fn)
+    fully_shard(model, mesh=mesh)
+    sharded = dict(model.named_parameters())
+    for group, param_names in zip(optimizer.param_groups, group_names):
+        group["params"] = [sharded[n] for n in param_names]
+    return model, optimizer
+
+
+def test_a_lora_b_sharded_by_columns_is_refused(one_rank_mesh):
+    from torch.distributed.tensor import Shard
+
+    by_columns = lambda p: Shard(1) if p.ndim == 2 and p.shape[1] == 4 else None  # noqa: E731  lora_B (d_out, r)
+    model, optimizer = sharded_like_accelerate(one_rank_mesh, by_columns)
+    with pytest.raises(ValueError, match=r"is sharded as \(Shard\(dim=1\),\) on a 1-D mesh; .* Shard\(0\)"):
+        check_sharded_training(model, optimizer)
+
+
+def test_fully_sharded_model_and_switched_optimizer_pass(one_rank_mesh):
+    check_sharded_training(*sharded_like_accelerate(one_rank_mesh))
+
+
+def test_gathered_adapters_shows_whole_matrices_for_the_logs(one_rank_mesh):
+    from torch.distributed.tensor import DTensor
+
+    model, optimizer = sharded_like_accelerate(one_rank_mesh)
+    before = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    selection = FoRASelection([0, 1], 2, "base_model.model.model.layers")
+    with gathered_adapters(model, optimizer):
+        inside = {n: p for n, p in model.named_parameters() if "lora_" in n}
+        assert not any(isinstance(p, DTensor) for p in inside.values())
+        for name, p in inside.items():
+            assert torch.equal(p, before[name].full_tensor()), name
+        logs = FoRALogs(selection)(model, optimizer)
+    assert logs["fora/max_orthogonality_error"] < 1e-5
+    after = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert all(after[n] is p for n, p in before.items())  # the sharded parameters are back, the same objects
