@@ -1,4 +1,5 @@
-"""FoRA under DeepSpeed ZeRO-1/2: Stiefel ``lora_B`` replicated beside the ZeRO partition.
+"""FoRA under DeepSpeed: ZeRO-1/2 with the Stiefel ``lora_B`` replicated beside the partition, ZeRO-3 with each
+``lora_B`` gathered whole for its step (:class:`Zero3FoRAOptimizer`, :func:`zero3_scoring_engine`).
 
 ZeRO-1/2 flattens each group of the client optimizer into one fp32 vector, gives every rank a slice of it, and calls
 the client's ``step`` on the slices: a Cayley step, which needs a whole ``lora_B``, cannot run there. So
@@ -20,6 +21,11 @@ which are partitioned and stepped by AdamW as usual, and keeps every Stiefel ``l
 The Cayley state is not in DeepSpeed's checkpoint (DeepSpeed's elastic checkpoints keep only the partitioned groups):
 :meth:`ZeroFoRAOptimizer.stiefel_state_dict` / :meth:`~ZeroFoRAOptimizer.load_stiefel_state_dict` save and restore
 it; FoRASFTTrainer writes it to ``STIEFEL_STATE_FILE`` in every checkpoint and reads it back on resume.
+
+Under ZeRO-3 every parameter is partitioned, lora_B included: :class:`Zero3FoRAOptimizer` keeps lora_B in
+DeepSpeed's groups (its reduce-scatter, its one clipping norm, its skip of a non-finite step) and gathers each whole
+lora_B with its gradient for the Cayley step; :func:`zero3_scoring_engine` runs the Fisher scoring on a model that
+``zero.Init`` partitioned.
 
 :func:`check_deepspeed_config` names the DeepSpeed settings that would silently turn FoRA into something else.
 """
@@ -412,9 +418,6 @@ class Zero3FoRAOptimizer(AdamW):
                 f"sub-groups: set sub_group_size >= {numel} (DeepSpeed's default is 1e9)."
             )
         return found
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)  # the group keys (stiefel, the Cayley settings) come back with it
 
     @torch.no_grad()
     def step(self, closure=None):
