@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from .data import read_json
+
 
 RUNS = ("lora", "fg-lora", "stiefel-lora", "fora", "lora-half-rank", "random-k", "dora", "rslora")
 
@@ -57,10 +59,10 @@ def _resolve(path: str, base: Path) -> str:
 
 def load_ablation_config(config: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the training config, the ``ablation`` block) with paths made absolute against the config's folder."""
+    from .recipe import load_yaml_config
+
     path = Path(config)
-    if not path.is_file():
-        raise ValueError(f"config={config!r} is not a file.")
-    data = yaml.safe_load(path.read_text())
+    data = load_yaml_config(config)
     block = data.pop("ablation", None)
     if not isinstance(block, dict):
         raise ValueError(
@@ -68,6 +70,8 @@ def load_ablation_config(config: str) -> tuple[dict[str, Any], dict[str, Any]]:
             "(see example_configs/ablation_gemma270m.yaml)."
         )
     base = path.resolve().parent
+    if not data.get("dataset_name"):
+        raise ValueError(f"{config} has no dataset_name: name a local .json/.jsonl file or a `datasets` name.")
     data["dataset_name"] = _resolve(data["dataset_name"], base)
     evaluation = block.setdefault("eval", {})
     for key in ("commonsense_dir", "kl_text"):
@@ -88,7 +92,7 @@ def _held_out(evaluation: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
         file = folder / task / "test.json"
         if not file.is_file():
             raise ValueError(f"No test file for task {task!r} at {file}.")
-        held_out[task] = json.loads(file.read_text())[:limit]
+        held_out[task] = read_json(file)[:limit]
     return held_out
 
 

@@ -214,9 +214,17 @@ def load_model(base: str, adapter: str | None = None):
     return model, tokenizer
 
 
+def _check_files(*flags: tuple[str, str | None]) -> None:
+    """Refuse a command-line file that does not exist before any model is loaded."""
+    for flag, value in flags:
+        if value is not None and not Path(value).is_file():
+            raise ValueError(f"{flag} {value} is not a file: give the path of an existing file.")
+
+
 def evaluate(args: argparse.Namespace) -> int:
     import json
 
+    from .data import read_json
     from .evaluation import (
         commonsense_accuracy,
         lm_eval_command,
@@ -228,6 +236,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
     if not (args.commonsense_dir or args.wikitext or args.mt_bench or args.lm_eval):
         raise ValueError("fora eval has nothing to do: give --commonsense-dir, --wikitext, --mt-bench or --lm-eval.")
+    _check_files(("--wikitext", args.wikitext), ("--mt-bench", args.mt_bench))
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     if args.lm_eval:
@@ -243,7 +252,7 @@ def evaluate(args: argparse.Namespace) -> int:
             file = Path(args.commonsense_dir, task, "test.json")
             if not file.is_file():
                 raise ValueError(f"--commonsense-dir {args.commonsense_dir} has no {task}/test.json.")
-            examples = json.loads(file.read_text())[: args.max_examples]
+            examples = read_json(file)[: args.max_examples]
             result = commonsense_accuracy(
                 model, tokenizer, examples, task, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size
             )
@@ -268,7 +277,7 @@ def evaluate(args: argparse.Namespace) -> int:
             f"| perplexity ({results['perplexity']['tokens']} tokens) | {results['perplexity']['perplexity']:.2f} |"
         )
     if args.mt_bench:
-        questions = [json.loads(line) for line in Path(args.mt_bench).read_text().splitlines() if line.strip()]
+        questions = read_json(args.mt_bench, lines=True)
         answers = write_jsonl(
             out / f"{args.model_id}.jsonl", mt_bench_answers(model, tokenizer, questions, args.model_id)
         )
@@ -290,6 +299,7 @@ def report(args: argparse.Namespace) -> int:
     from .plots import plot_fisher_scores
     from .report import adapter_report, kl_to_base, markdown_summary, plot_spectra
 
+    _check_files(("--kl-text", args.kl_text))
     adapters = [args.adapter, *args.vs]
     labels = [Path(a).resolve().name for a in adapters]
     reports = {label: adapter_report(a) for label, a in zip(labels, adapters)}

@@ -104,6 +104,24 @@ def check_columns(columns: list[str], where: str) -> None:
     )
 
 
+def read_json(path: str | Path, *, lines: bool = False):
+    """The JSON document in ``path`` (with ``lines``: the list of one document per non-empty line); a malformed file
+    is refused naming the file, the line and the column."""
+    text = Path(path).read_text(encoding="utf-8")
+    chunks = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()] if lines else [(1, text)]
+    documents = []
+    for first_line, chunk in chunks:
+        try:
+            documents.append(json.loads(chunk))
+        except json.JSONDecodeError as error:
+            line = first_line + error.lineno - 1
+            raise ValueError(
+                f"{path} is not valid JSON{' Lines' if lines else ''}: {error.msg} at line {line}, column "
+                f"{error.colno}. Fix the file there."
+            ) from None
+    return documents if lines else documents[0]
+
+
 def _first_json_problem(files: list[str]) -> str | None:
     """Where the first malformed JSON is among ``files`` (file, line, column), or None if they all parse."""
     for file in files:

@@ -18,12 +18,9 @@ from pathlib import Path
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
-def parse_config(config: str, overrides: list[str]):
-    """(ScriptArguments, SFTConfig, ModelConfig, FoRAConfig) from a YAML file and command-line overrides."""
+def load_yaml_config(config: str) -> dict:
+    """The mapping a YAML config holds; a missing file, a syntax error (file, line) or a non-mapping is refused."""
     import yaml
-    from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
-
-    from .config import FoRAArguments
 
     path = Path(config)
     if not path.is_file():
@@ -40,6 +37,16 @@ def parse_config(config: str, overrides: list[str]):
             f"config {config} holds a YAML {type(data).__name__}, not a mapping of keys: write one `key: value` per "
             "line (see example_configs/quickstart.yaml)."
         )
+    return data
+
+
+def parse_config(config: str, overrides: list[str]):
+    """(ScriptArguments, SFTConfig, ModelConfig, FoRAConfig) from a YAML file and command-line overrides."""
+    from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+
+    from .config import FoRAArguments
+
+    load_yaml_config(config)  # its syntax and shape, with the file and line of a mistake
     parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig, FoRAArguments))
     try:
         script_args, training_args, model_args, fora_args = parser.parse_args_and_config(

@@ -159,7 +159,7 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
     (
         "resume-with-other-layers",
         lambda c: ["train", c.config(fora_layers=[1]), "--resume_from_checkpoint", c.checkpoint([0])],
-        r"layers \[0\].*adapts layers \[1\]",
+        r"layers=?\s?\[1\].*\[0\].*checkpoint|checkpoint.*\[0\].*layers=?\s?\[1\]",  # names both layer sets
     ),
     # --- data
     ("dataset-missing", lambda c: ["score", c.config(dataset_name="nope.json")], r"nope\.json"),
@@ -214,7 +214,40 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
     ("report-not-an-adapter", lambda c: ["report", str(c.tmp)], r"is not a PEFT adapter folder"),
     ("report-nan-adapter", lambda c: ["report", c.adapter(poison=True)], r"NaN/inf weights in 1 tensors"),
     ("report-kl-without-base", lambda c: ["report", c.adapter(), "--kl-text", c.file("t.txt", "ab")], r"--base"),
+    (
+        "eval-malformed-task-file",
+        lambda c: [
+            "eval",
+            "--base",
+            str(c.shared / "model"),
+            "--commonsense-dir",
+            str(Path(c.file("boolq/test.json", '[{"instruction": "x"}\n{"answer": "true"}]')).parents[1]),
+            "--tasks",
+            "boolq",
+        ],
+        r"boolq/test\.json is not valid JSON: .* at line 2",
+    ),
+    (
+        "eval-wikitext-missing",
+        lambda c: ["eval", "--base", str(c.shared / "model"), "--wikitext", str(c.tmp / "wiki.txt")],
+        r"--wikitext .*wiki\.txt is not a file",
+    ),
+    (
+        "eval-mt-bench-malformed",
+        lambda c: ["eval", "--base", str(c.shared / "model"), "--mt-bench", c.file("q.jsonl", '{"turns": [}\n')],
+        r"q\.jsonl is not valid JSON Lines: .* at line 1",
+    ),
+    (
+        "report-kl-text-missing",
+        lambda c: ["report", c.adapter(), "--base", str(c.shared / "model"), "--kl-text", str(c.tmp / "held.txt")],
+        r"--kl-text .*held\.txt is not a file",
+    ),
     ("ablate-no-block", lambda c: ["ablate", ablation_config(c, None)], r"no `ablation:` block"),
+    (
+        "ablate-yaml-error",
+        lambda c: ["ablate", c.file("grid.yaml", "ablation: {runs: [lora\n")],
+        r"grid\.yaml is not valid YAML",
+    ),
     ("ablate-unknown-run", lambda c: ["ablate", ablation_config(c, {"runs": ["lora", "qlora2"]})], r"qlora2"),
 ]
 

@@ -184,3 +184,17 @@ def test_malformed_json_names_the_file_and_the_line(tmp_path, name, text, messag
     line = 3 if name.endswith("l") else 2
     with pytest.raises(ValueError, match=rf"{re.escape(name)} is not valid {message}: .* at line {line}, column"):
         load_train_dataset(str(tmp_path / name))
+
+
+def test_read_json_names_the_file_and_line_of_a_mistake(tmp_path):
+    from fora_plugin.data import read_json
+
+    good = tmp_path / "q.jsonl"
+    good.write_text('{"a": 1}\n\n{"a": 2}\n')
+    assert read_json(good, lines=True) == [{"a": 1}, {"a": 2}]
+    (tmp_path / "bad.jsonl").write_text('{"a": 1}\n\n{"a": }\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl is not valid JSON Lines: .* at line 3, column 7"):
+        read_json(tmp_path / "bad.jsonl", lines=True)
+    (tmp_path / "bad.json").write_text('[\n  {"a": 1},\n  {"a" 2}\n]')
+    with pytest.raises(ValueError, match=r"bad\.json is not valid JSON: .* at line 3, column 8"):
+        read_json(tmp_path / "bad.json")
