@@ -195,10 +195,13 @@ class _LayerAccumulator:
             if self._replaying or not torch.is_grad_enabled():
                 return
             outputs = _tensors(output)
+            x = args[0]
             if not outputs or not outputs[0].requires_grad:
+                if isinstance(x, torch.Tensor) and x.requires_grad:
+                    self._forwarded[label] = type(module).__name__  # a gradient came in, none can go out: refused
                 return
             self._forwarded[label] = type(module).__name__
-            x = args[0].detach()
+            x = x.detach()
 
             def grad_hook(g: torch.Tensor) -> None:
                 self._reached.add(label)
@@ -234,6 +237,8 @@ class _LayerAccumulator:
                 )
             positions = [i for i, t in enumerate(outputs) if t.requires_grad]
             if not positions:
+                if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                    self._forwarded[label] = type(module).__name__  # a gradient came in, none can go out: refused
                 return
             self._forwarded[label] = type(module).__name__
             saved_args, saved_kwargs = _detached(args), _detached(kwargs)
