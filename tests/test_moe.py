@@ -6,11 +6,12 @@ keeps each expert's (d_out, r) block on its own Stiefel manifold, on the chosen 
 
 import pytest
 import torch
-from conftest import EXPERT_PARAMETERS, tiny_moe
+from conftest import EXPERT_PARAMETERS, char_tokenizer, tiny_moe
 from peft import LoraConfig, get_peft_model
 from test_fisher import assert_close, make_batches
+from test_trainer import VOCAB, sft_args, sums_dataset
 
-from fora_plugin import FoRAConfig, stiefel_num_experts, stiefel_parameters
+from fora_plugin import FoRAConfig, FoRASFTTrainer, stiefel_num_experts, stiefel_parameters
 from fora_plugin.adapter import expert_blocks
 from fora_plugin.fisher import find_decoder_layers, fisher_scores
 from fora_plugin.stiefel import orthogonality_error
@@ -101,6 +102,17 @@ def test_expert_weights_count_in_the_layer_score(fisher_params, linear_grad):
     assert_close(result.scores, expected)
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activations_mode_counts_each_expert_and_router_once_under_checkpointing(reentrant):
+    # The router has two differentiable outputs (logits, weights) and the experts re-run on saved inputs: under
+    # gradient checkpointing the recompute must add nothing.
+    batches = make_batches()
+    plain = fisher_scores(tiny_moe(), batches, 3, linear_grad="activations", progress=False).scores
+    model = tiny_moe()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    assert_close(fisher_scores(model, batches, 3, linear_grad="activations", progress=False).scores, plain)
+
+
 def test_lora_only_on_the_chosen_layers_with_one_stiefel_manifold_per_expert(token_batch):
     model, selection = fora_moe()
     with torch.no_grad():
@@ -134,3 +146,26 @@ def test_drift_is_read_per_expert_block():
         expert_blocks(p, EXPERTS)[2].mul_(1.5)  # expert 2 leaves its manifold
     expected = orthogonality_error(expert_blocks(p.detach(), EXPERTS)[2]).item()
     assert _max_drift(model, None) == pytest.approx(expected, rel=1e-6)
+
+
+def test_fora_sft_trainer_adapts_only_the_chosen_layers_of_an_moe(tmp_path, capsys):
+    # Seen before: explicit layers [1, 3], yet the experts of layers 0-3 were trainable ("200.0% of LoRA on all").
+    trainer = FoRASFTTrainer(
+        tiny_moe(vocab_size=VOCAB),
+        sft_args(tmp_path, max_steps=3),
+        train_dataset=sums_dataset(12),
+        processing_class=char_tokenizer(),
+        peft_config=moe_lora_config(),
+        fora_config=FoRAConfig(layers=CHOSEN),
+    )
+    assert "= 50.0% of LoRA on all layers" in capsys.readouterr().out
+    trainer.train()
+    model = trainer.model
+    assert {layer_of(n) for n, p in model.named_parameters() if p.requires_grad} == set(CHOSEN)
+    experts = stiefel_num_experts(model)
+    fused = [p for n, p in stiefel_parameters(model) if "experts" in n]
+    assert len(fused) == 2 * len(CHOSEN)
+    for p in fused:
+        assert orthogonality_error(expert_blocks(p.detach(), experts[id(p)])).max() < 1e-5
+    logged = [log for log in trainer.state.log_history if "fora/max_orthogonality_error" in log]
+    assert logged and all(log["fora/max_orthogonality_error"] < 1e-5 for log in logged)
