@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import AdamW, Optimizer
 
+from .adapter import expert_blocks, stiefel_num_experts, stiefel_parameters
 from .stiefel import CAYLEY_SOLVERS, cayley_coefficients, cholesky_qr, inverse_cholesky_factor, qr_retraction
 
 
@@ -68,7 +69,7 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
         raise ValueError(f"CayleyAdam eps={eps!r} is invalid: use a finite float >= 0, e.g. 1e-8.")
     if isinstance(qr_period, bool) or not isinstance(qr_period, int) or qr_period < 0:
         raise ValueError(f"CayleyAdam qr_period={qr_period!r} is invalid: use an int >= 0 (0 = never re-project).")
-    threshold = group["reproject_threshold"]
+    threshold = group.get("reproject_threshold", REPROJECT_THRESHOLD)
     if not _is_real_number(threshold) or threshold <= 0:
         raise ValueError(
             f"CayleyAdam reproject_threshold={threshold!r} is invalid: use a finite float > 0 (default "
@@ -82,7 +83,7 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
     iters = group["cayley_iters"]
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"CayleyAdam cayley_iters={iters!r} is invalid: use an int >= 1 (the paper uses 5).")
-    experts = group["num_experts"]
+    experts = group.get("num_experts", 1)
     if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
         raise ValueError(
             f"CayleyAdam num_experts={experts!r} is invalid: use an int >= 1, the number of (d_out, r) expert "
@@ -140,12 +141,6 @@ def _reduce_groups(p: torch.Tensor) -> tuple:
 def _all_reduce(tensor: torch.Tensor, groups: tuple) -> None:
     for group in groups:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-
-
-def _expert_blocks(t: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """(d, r·E) -> (E, d, r) view: PEFT interleaves the experts' columns, expert e's B is column e, e + E, ..."""
-    d, width = t.shape
-    return t.view(d, width // num_experts, num_experts).permute(2, 0, 1)
 
 
 class CayleyAdam(Optimizer):
@@ -213,7 +208,7 @@ class CayleyAdam(Optimizer):
         group = self.param_groups[-1]
         _check_hyperparameters(group)
         for index, p in enumerate(group["params"]):
-            _check_stiefel_parameter(p, index, group["num_experts"])
+            _check_stiefel_parameter(p, index, group.get("num_experts", 1))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -267,7 +262,7 @@ def _init_state(state: dict[str, Any], p: torch.Tensor, num_experts: int) -> Non
     groups = _reduce_groups(p)
     # An fp32 p is projected in place; a bf16 p gets an fp32 copy (a DTensor with p's placements for a DTensor p).
     master = p.detach() if p.dtype == dtype else p.detach().to(dtype)
-    blocks = _expert_blocks(_local(master), num_experts)  # (E, d_local, r) view into master
+    blocks = expert_blocks(_local(master), num_experts)  # (E, d_local, r) view into master
     if groups:
         # Cholesky-QR2 on the local rows with the Gram matrix of the whole matrix: one all-reduce per pass.
         for _ in range(2):
@@ -372,7 +367,7 @@ def _cayley_adam_bucket_step(
         return list(stack.split(num_experts))
 
     def expert_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [_expert_blocks(t, num_experts) for t in tensors]
+        return [expert_blocks(t, num_experts) for t in tensors]
 
     torch._foreach_copy_(blocks(B), expert_views(masters))
     torch._foreach_copy_(blocks(m_old), expert_views(exp_avgs))
@@ -404,7 +399,7 @@ def _cayley_adam_bucket_step(
     # T = diag(R⁻¹, I), [B R⁻¹, m] = [B, m] T and its Gram matrix is Tᵀ gram T. No host sync, no extra reduction.
     eye_r = torch.eye(r, dtype=dtype, device=device)
     drift = torch.linalg.matrix_norm(gram[:, :r, :r] - eye_r)  # (n,) ‖BᵀB − I‖_F
-    drifting = drift > group["reproject_threshold"]
+    drifting = drift > group.get("reproject_threshold", REPROJECT_THRESHOLD)  # absent from older checkpoints
     r_inv, factored = inverse_cholesky_factor(gram[:, :r, :r])  # (n, r, r)
     project = (drifting | periodic) & factored & finite
     reprojected += (drifting & factored & finite).long()
@@ -438,6 +433,9 @@ def _cayley_adam_bucket_step(
         torch._foreach_copy_([s[key] for s in states], list(values.view(len(params), *scalar_shape).unbind(0)))
 
 
+_ADAMW_DEFAULT_LR = 1e-3  # torch.optim.AdamW's
+
+
 class FoRAOptimizer(Optimizer):
     """One optimizer over AdamW groups and Cayley-Adam groups (a group with ``"stiefel": True``).
 
@@ -459,7 +457,10 @@ class FoRAOptimizer(Optimizer):
     ) -> None:
         self._delegate_defaults = {False: dict(adamw_defaults or {}), True: dict(stiefel_defaults or {})}
         self._delegates: dict[bool, Optimizer] = {}
-        super().__init__(params, defaults={})
+        # The AdamW rate is "the" learning rate: HF's polynomial and min-lr schedulers and accelerate's DeepSpeed
+        # scheduler read defaults["lr"] and scale every group by one factor relative to it, which keeps the
+        # Stiefel group's lr_stiefel / lr ratio. Only lr: the other keys would leak into the Stiefel groups.
+        super().__init__(params, defaults={"lr": self._delegate_defaults[False].get("lr", _ADAMW_DEFAULT_LR)})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         # The delegate fills in its defaults and validates; the same dict then joins this optimizer's groups.
@@ -528,6 +529,7 @@ def fora_optimizer_parts(
     stiefel_betas: tuple[float, float] = (0.9, 0.99),
     stiefel_eps: float = 1e-8,
     qr_period: int = 200,
+    reproject_threshold: float = REPROJECT_THRESHOLD,
     cayley_solver: str = "exact",
     cayley_iters: int = 5,
     stiefel_params: Collection[torch.Tensor] | None = None,
@@ -537,13 +539,13 @@ def fora_optimizer_parts(
     """The param groups of FoRA's optimizer for ``model``, with the AdamW and the Cayley-Adam defaults.
 
     Groups, in order: AdamW with ``weight_decay`` (lora_A and other trainable weights), AdamW without decay
-    (biases, norms), and the Stiefel group (Cayley-Adam at ``lr_stiefel``). Empty groups are left out; HF logs the
-    first group's lr. Stiefel parameters are ``stiefel_params`` if given, else every ``lora_B`` made Stiefel by
-    :func:`fora_plugin.make_stiefel`. ``decay_parameter_names`` defaults to HF Trainer's rule; a trainer passes its
-    own ``get_decay_parameter_names(model)``. Extra keyword arguments go to AdamW (e.g. ``foreach``, ``fused``).
+    (biases, norms), and the Stiefel groups (Cayley-Adam at ``lr_stiefel``), one per number of expert blocks of
+    the ``lora_B`` (``num_experts``: 1, then E for fused-MoE adapters, see
+    :func:`fora_plugin.stiefel_num_experts`). Empty groups are left out; HF logs the first group's lr. Stiefel
+    parameters are ``stiefel_params`` if given, else every ``lora_B`` made Stiefel by
+    :func:`fora_plugin.make_stiefel`. ``decay_parameter_names`` defaults to HF Trainer's rule; a trainer passes
+    its own ``get_decay_parameter_names(model)``. Extra keyword arguments go to AdamW (e.g. ``foreach``, ``fused``).
     """
-    from .adapter import stiefel_parameters
-
     if stiefel_params is None:
         stiefel_params = [p for _, p in stiefel_parameters(model)]
     stiefel_ids = {id(p) for p in stiefel_params}
@@ -570,17 +572,23 @@ def fora_optimizer_parts(
         groups.append({"params": decay, "weight_decay": weight_decay})
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
-    stiefel = [p for _, p in trainable if id(p) in stiefel_ids]
-    if stiefel:
+    # One Stiefel group per number of expert blocks E: a fused-MoE lora_B (d_out, r·E) is E Stiefel matrices.
+    experts = stiefel_num_experts(model)
+    stiefel_by_experts: dict[int, list[torch.Tensor]] = {}
+    for _, p in trainable:
+        if id(p) in stiefel_ids:
+            stiefel_by_experts.setdefault(experts.get(id(p), 1), []).append(p)
+    for num_experts, params in sorted(stiefel_by_experts.items()):
         # Cayley-Adam has no weight decay (the norm is fixed on the manifold); the key is there because trainers
         # read it from every group (Axolotl's resume restores it group by group).
-        groups.append({"params": stiefel, "stiefel": True, "weight_decay": 0.0})
+        groups.append({"params": params, "stiefel": True, "weight_decay": 0.0, "num_experts": num_experts})
     adamw_defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **adamw_kwargs)
     stiefel_defaults = dict(
         lr=lr_stiefel,
         betas=stiefel_betas,
         eps=stiefel_eps,
         qr_period=qr_period,
+        reproject_threshold=reproject_threshold,
         cayley_solver=cayley_solver,
         cayley_iters=cayley_iters,
     )

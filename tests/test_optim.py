@@ -260,3 +260,99 @@ def test_fora_optimizer_resumes_both_groups_bit_identically():
 def test_fora_optimizer_refuses_a_bad_stiefel_group_by_name():
     with pytest.raises(ValueError, match=r"only 2-D"):
         FoRAOptimizer([{"params": [torch.nn.Parameter(torch.zeros(5))], "stiefel": True}])
+
+
+# ---- per-expert Stiefel blocks (PEFT's fused-MoE lora_B (d_out, r·E), experts' columns interleaved) -------------
+
+
+def interleave(blocks):
+    """E (d, r) blocks -> PEFT's (d, r·E) lora_B, expert e in columns e, e + E, ..."""
+    d, r = blocks[0].shape
+    return torch.stack(blocks, dim=-1).reshape(d, r * len(blocks))
+
+
+def test_expert_blocks_follow_independent_dense_cayley_adam_runs():
+    gen = torch.Generator().manual_seed(30)
+    d, r, experts = 20, 3, 4
+    blocks = [random_stiefel(d, r, generator=gen, dtype=torch.float64) for _ in range(experts)]
+    # Each expert sees gradients of its own scale: one shared second moment would mix them.
+    grads = [
+        [(10.0**e) * torch.randn(d, r, generator=gen, dtype=torch.float64) for e in range(experts)] for _ in range(8)
+    ]
+    expected = [dense_cayley_adam(blocks[e], [g[e] for g in grads], lr=0.05) for e in range(experts)]
+    p = torch.nn.Parameter(interleave(blocks))
+    opt = CayleyAdam([{"params": [p], "num_experts": experts}], lr=0.05, qr_period=0)
+    for t, g in enumerate(grads):
+        p.grad = interleave(g)
+        opt.step()
+        got = p.detach().view(d, r, experts).permute(2, 0, 1)
+        for e in range(experts):
+            assert torch.max(torch.abs(got[e] - expected[e][t])) < 1e-10
+    assert opt.state[p]["exp_avg_sq"].shape == (experts,)
+
+
+def test_expert_blocks_batch_with_plain_matrices_and_skip_on_their_own():
+    gen = torch.Generator().manual_seed(31)
+    d, r, experts = 16, 2, 3
+    blocks = [random_stiefel(d, r, generator=gen) for _ in range(experts)]
+    fused = torch.nn.Parameter(interleave(blocks))
+    plain = stiefel_params([(d, r)], seed=32)[0]  # same (d, r): stacked with the expert blocks
+    alone = [torch.nn.Parameter(b.clone()) for b in blocks]
+    opt = CayleyAdam([{"params": [fused], "num_experts": experts}, {"params": [plain]}], lr=0.02)
+    ref = CayleyAdam(alone, lr=0.02)
+    for step in range(4):
+        block_grads = [torch.randn(d, r, generator=gen) for _ in range(experts)]
+        if step == 2:
+            block_grads[1][3, 0] = float("inf")  # only expert 1 skips this step
+        fused.grad = interleave(block_grads)
+        plain.grad = torch.randn(d, r, generator=gen)
+        for q, g in zip(alone, block_grads):
+            q.grad = g.clone()
+        opt.step()
+        ref.step()
+    got = fused.detach().view(d, r, experts).permute(2, 0, 1)
+    for e in range(experts):
+        assert torch.allclose(got[e], alone[e].detach(), atol=1e-6)
+    assert opt.state[fused]["skipped_steps"].tolist() == [0, 1, 0]
+    assert opt.state[fused]["step"].tolist() == [4, 3, 4]
+    assert opt.skipped_steps() == 1
+    assert orthogonality_error(plain.detach()) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("shape", "experts", "message"),
+    [
+        ((16, 6), 4, r"shape \(16, 6\) in a group with num_experts=4.*not r columns for each of 4 experts"),
+        ((2, 12), 4, r"d_out=2 < r=3"),
+        ((16, 8), 0, r"num_experts=0 is invalid: use an int >= 1"),
+    ],
+)
+def test_bad_expert_layouts_are_refused_by_name(shape, experts, message):
+    with pytest.raises(ValueError, match=message):
+        CayleyAdam([{"params": [torch.nn.Parameter(torch.zeros(shape))], "num_experts": experts}])
+
+
+def test_fora_optimizer_parts_puts_fused_expert_lora_b_in_their_own_group():
+    from test_moe import EXPERTS, fora_moe
+
+    from fora_plugin import stiefel_num_experts
+    from fora_plugin.optim import build_fora_optimizer
+
+    model, _ = fora_moe()
+    experts = stiefel_num_experts(model)
+    assert experts and set(experts.values()) == {EXPERTS}
+    opt = build_fora_optimizer(model)
+    stiefel = opt.stiefel_groups
+    assert [g["num_experts"] for g in stiefel] == [1, EXPERTS]
+    assert {id(p) for p in stiefel[1]["params"]} == set(experts)
+    assert not {id(p) for p in stiefel[0]["params"]} & set(experts)
+    gen = torch.Generator().manual_seed(33)
+    for _ in range(3):
+        for p in stiefel[1]["params"]:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    for p in stiefel[1]["params"]:
+        d, width = p.shape
+        blocks = p.detach().view(d, width // EXPERTS, EXPERTS).permute(2, 0, 1)
+        assert torch.all(orthogonality_error(blocks) < 1e-5)
+        assert orthogonality_error(p.detach()) > 0.5  # the whole (d, r·E) matrix is not orthonormal
