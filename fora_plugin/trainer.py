@@ -154,12 +154,23 @@ def checkpoint_as_in_training(trainer: Trainer) -> None:
     would switch it on anyway.
     """
     args, model = trainer.args, trainer.model
-    if args.activation_checkpointing and not model.is_activation_checkpointing:
-        kwargs = dict(args.activation_checkpointing_kwargs or {})
-        every_n_layers = kwargs.pop("every_n_layers", 1)
-        offload = kwargs.pop("offload", False)
+    # transformers 5.23 renamed gradient_checkpointing* to activation_checkpointing* (the old names are deprecated
+    # aliases); Axolotl 0.21 pins transformers 5.20, which has the old names only.
+    new_names = hasattr(model, "activation_checkpointing_enable")
+    enabled = args.activation_checkpointing if new_names else args.gradient_checkpointing
+    active = model.is_activation_checkpointing if new_names else model.is_gradient_checkpointing
+    if not enabled or active:
+        return
+    kwargs = dict((args.activation_checkpointing_kwargs if new_names else args.gradient_checkpointing_kwargs) or {})
+    every_n_layers = kwargs.pop("every_n_layers", 1)
+    offload = kwargs.pop("offload", False)
+    if new_names:
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
+        )
+    else:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
         )
 
 
@@ -394,7 +405,9 @@ _INIT_REASONS = {
 }
 
 
-def check_init_lora_weights(value: Any, fora: FoRAConfig, name: str = "LoraConfig.init_lora_weights") -> None:
+def check_init_lora_weights(
+    value: Any, fora: FoRAConfig, name: str = "LoraConfig.init_lora_weights", mode_name: str = "mode"
+) -> None:
     """Refuse a LoRA initialisation FoRA cannot rebuild on the chosen layers (see ``BASE_PRESERVING_INITS``).
 
     Call it before the model is wrapped: once PiSSA-like inits have run, the base weights are already changed.
@@ -406,9 +419,9 @@ def check_init_lora_weights(value: Any, fora: FoRAConfig, name: str = "LoraConfi
     kind = _BASE_CHANGING_INITS.get(value.split("_niter_")[0] if isinstance(value, str) else None)
     reason = _INIT_REASONS[kind] if kind else "it is not one of PEFT 0.21's initialisations FoRA knows"
     raise ValueError(
-        f"{name}={value!r} cannot be combined with mode={fora.mode!r}: {reason}. Use one of "
-        f"{BASE_PRESERVING_INITS} (they leave the base weights untouched), or mode='lora' for {value!r} on every "
-        "layer."
+        f"{name}={value!r} cannot be combined with {mode_name}={fora.mode!r}: {reason}. Use one of "
+        f"{BASE_PRESERVING_INITS} (they leave the base weights untouched), or {mode_name}='lora' for {value!r} on "
+        "every layer."
     )
 
 

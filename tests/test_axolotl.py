@@ -16,6 +16,7 @@ pytest.importorskip("axolotl", reason="axolotl is not installed: pip install 'fo
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
+from axolotl.integrations.base import BasePlugin  # noqa: E402
 from axolotl.utils.config import validate_config  # noqa: E402
 from axolotl.utils.dict import DictDefault  # noqa: E402
 from conftest import TARGETS, char_tokenizer, tiny_llama  # noqa: E402
@@ -100,6 +101,8 @@ def axolotl_train(root: Path, config: dict, *args: str, check: bool = True) -> s
         "HF_DATASETS_CACHE": str(root / "hf-datasets"),
         "AXOLOTL_DO_NOT_TRACK": "1",
         "WANDB_MODE": "disabled",
+        # ProbePlugin below is loaded from this file by its dotted path.
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
     }
     result = subprocess.run(
         [str(bin_dir / "axolotl"), "train", str(path), *args], env=env, capture_output=True, text=True
@@ -301,6 +304,16 @@ REFUSED = [
     ({"optimizer": "adamw_bnb_8bit"}, r"optimizer='adamw_bnb_8bit' cannot be combined with FoRA"),
     ({"loraplus_lr_ratio": 16.0}, r"loraplus_lr_ratio=16.0: these regroup the optimizer's parameters"),
     ({"fsdp_config": {"fsdp_version": 2}}, r"fsdp_config is set: FSDP shards lora_B"),
+    (
+        {"peft_init_lora_weights": "pissa"},
+        r"peft_init_lora_weights='pissa' cannot be combined with fora_mode='fora': it subtracts the initial adapter",
+    ),
+    (
+        {"peft": {"loftq_config": {"loftq_bits": 4}}},
+        r"peft.loftq_config \(loftq_bits=4\) sets init_lora_weights='loftq' cannot be combined with fora_mode",
+    ),
+    ({"learning_rate": float("nan")}, r"learning_rate=nan is invalid: use a finite float >= 0"),
+    ({"learning_rate": "inf"}, r"learning_rate=inf is invalid: use a finite float >= 0"),
 ]
 DEEPSPEED_REFUSED = [
     ("fg-lora", {"zero_optimization": {"stage": 3}}, r"is ZeRO-3 \(zero_optimization.stage=3\): it shards"),
@@ -409,3 +422,55 @@ def test_qfora_config_loads_a_4bit_nf4_base():
     cfg = validate_config(DictDefault(yaml.safe_load(path.read_text())))
     assert (cfg.adapter, cfg.load_in_4bit, cfg.bf16) == ("qlora", True, True)
     assert cfg.bnb_config_kwargs["bnb_4bit_quant_type"] == "nf4" and cfg.bnb_config_kwargs["bnb_4bit_use_double_quant"]
+
+
+# ------------------------------------------------------------------------------------ scoring runs like training
+class ProbePlugin(BasePlugin):
+    """Listed after FoRA in a run's plugins: records every forward inside decoder layer 0 (autocast on, its dtype).
+
+    Under activation checkpointing the inside of a layer runs twice per batch (forward, then recompute). FoRA scores
+    in its post_trainer_create, which runs before this plugin's: the calls up to then are the scoring ones.
+    """
+
+    def get_training_args(self, cfg):
+        return {"use_cpu": True}  # Axolotl has no key for it, and transformers refuses bf16 without it on a CPU
+
+    def post_model_build(self, cfg, model):
+        self.calls = []
+        model.model.layers[0].mlp.register_forward_pre_hook(self.record)
+
+    def record(self, module, args):
+        autocast = torch.is_autocast_enabled("cpu")
+        self.calls.append([autocast, str(torch.get_autocast_dtype("cpu")) if autocast else None])
+
+    def post_trainer_create(self, cfg, trainer):
+        self.scoring, self.calls = self.calls, []
+
+    def post_train(self, cfg, model):
+        record = {"scoring": self.scoring, "training": self.calls}
+        (Path(cfg.output_dir) / "probe.json").write_text(json.dumps(record))
+
+
+def test_axolotl_scoring_runs_with_the_checkpointing_and_autocast_of_a_training_step(workspace):
+    config = fora_config(
+        workspace,
+        "probe",
+        plugins=[PLUGIN_NAME, f"{__name__}.ProbePlugin"],
+        bf16=True,  # the model is stored in fp32: bf16 comes from the autocast only
+        gradient_checkpointing=True,
+    )
+    axolotl_train(workspace, config)
+    record = json.loads((workspace / "probe" / "probe.json").read_text())
+    assert len(record["scoring"]) == 2 * FISHER_BATCHES and len(record["training"]) == 2 * 2  # forward + recompute
+    assert (
+        {tuple(c) for c in record["scoring"]} == {tuple(c) for c in record["training"]} == {(True, "torch.bfloat16")}
+    )
+
+
+def test_the_entry_point_name_stops_the_run_with_the_dotted_name(workspace):
+    assert any(point.name == "fora" for point in entry_points(group="axolotl.plugins"))
+    config = fora_config(workspace, "short", plugins=["fora"])
+    output = axolotl_train(workspace, config, "--launcher", "python", check=False)
+    line = "plugins: [fora] cannot be loaded: Axolotl 0.21 loads plugins by their dotted path. Write plugins: [{}]."
+    assert line.format(PLUGIN_NAME) in output.splitlines()
+    assert "Traceback" not in output and not (workspace / "short").exists()

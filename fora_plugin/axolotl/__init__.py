@@ -13,13 +13,19 @@ in ``post_trainer_create`` (the trainer's dataloader and loss exist, its optimiz
 ``adapter: qlora`` (a 4-bit NF4 base, ``load_in_4bit: true``) is QFoRA: the base is scored through the quantized
 linears' inputs and output gradients, and the adapter is the same.
 
+Axolotl 0.21 loads the plugins a config lists by their dotted path only: ``plugins: [fora]`` (this package's entry
+point name) cannot load, and the run stops with one line that names ``fora_plugin.axolotl.FoRAPlugin``
+(:class:`_ShortPluginName`).
+
 Every step is a function that ``FoRASFTTrainer`` calls too (:mod:`fora_plugin.wiring`, :mod:`fora_plugin.trainer`),
 so both give the same layers, adapters, optimizer, logs and ``fora_scores.json``/``.png``.
 """
 
 import functools
+import logging
+from importlib.metadata import entry_points
 
-from axolotl.integrations.base import BasePlugin
+from axolotl.integrations.base import PLUGIN_ENTRY_POINT_GROUP, BasePlugin
 from axolotl.utils.dict import DictDefault
 from axolotl.utils.logging import get_logger
 from axolotl.utils.train import determine_last_checkpoint
@@ -28,7 +34,7 @@ from transformers import Trainer
 
 from ..config import PREFIX, FoRAConfig
 from ..models import resolve_model_path
-from ..trainer import fora_optimizer, prepare_deepspeed, score_on_trainer
+from ..trainer import check_checkpoint_files, fora_optimizer, prepare_deepspeed, score_on_trainer
 from ..wiring import (
     FoRALogs,
     SaveSelectionCallback,
@@ -86,13 +92,16 @@ class FoRAPlugin(BasePlugin):
             )
         config = active_lora_config(model)
         seed = fora.seed if fora.seed is not None else trainer.args.seed
+        checkpoint = determine_last_checkpoint(cfg)  # what Axolotl resumes from: its selection is reused
+        if checkpoint is not None:
+            check_checkpoint_files(checkpoint)
         # Under DeepSpeed ZeRO-1/2: DeepSpeed's clipping off (FoRA's optimizer clips) and the Stiefel-state callback.
-        prepare_deepspeed(trainer, fora, lambda: determine_last_checkpoint(cfg))
+        prepare_deepspeed(trainer, fora, lambda: checkpoint)
         selection = choose_layers(
             model.get_base_model(),
             fora,
             seed=seed,
-            checkpoint=determine_last_checkpoint(cfg),  # what Axolotl resumes from: its selection is reused
+            checkpoint=checkpoint,
             score=lambda: score_on_trainer(trainer, model, fora, config),  # adapters disabled: the base is scored
         )
         autocast = cfg.peft_autocast_adapter_dtype if cfg.peft_autocast_adapter_dtype is not None else True
@@ -125,3 +134,34 @@ def _add_fora_logs(trainer: Trainer, fora_logs: FoRALogs) -> None:
         return log(logs, start_time)
 
     trainer.log = log_with_fora
+
+
+class _ShortPluginName(logging.Filter):
+    """Stops the run with the fix when Axolotl cannot load ``plugins: [fora]``.
+
+    Axolotl 0.21 loads a listed plugin by its dotted path only (``module.Class`` or ``module:Class``): the entry point
+    name of this package, which a user may well write, fails inside its loader ("not enough values to unpack", with
+    a traceback) before any plugin hook sees the config. Axolotl logs that failure on its plugin logger just before
+    it re-raises; this filter on that logger is the one place FoRA's code runs then. (Axolotl imports this module
+    earlier, when it registers the installed entry points.)
+    """
+
+    def __init__(self, names: set[str]) -> None:
+        super().__init__()
+        self.names = names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "Could not load required plugin '%s'" and record.args and record.args[0] in self.names:
+            raise SystemExit(
+                f"plugins: [{record.args[0]}] cannot be loaded: Axolotl 0.21 loads plugins by their dotted path. "
+                f"Write plugins: [{PLUGIN_NAME}]."
+            )
+        return True
+
+
+_ENTRY_POINT = f"{FoRAPlugin.__module__}:{FoRAPlugin.__name__}"
+logging.getLogger("axolotl.integrations.base").addFilter(
+    _ShortPluginName(
+        {point.name for point in entry_points(group=PLUGIN_ENTRY_POINT_GROUP) if point.value == _ENTRY_POINT}
+    )
+)

@@ -15,7 +15,7 @@ from axolotl.integrations.base import normalize_plugin_name
 from pydantic import BaseModel, Field, create_model, model_validator
 
 from ..config import PREFIX, FoRAConfig
-from ..trainer import ADAMW_OPTIMS
+from ..trainer import ADAMW_OPTIMS, check_init_lora_weights, check_learning_rate
 from ..zero import check_deepspeed_config, load_deepspeed_config
 
 
@@ -59,6 +59,17 @@ def _check_axolotl_settings(cfg: dict[str, Any], fora: FoRAConfig) -> None:
             "layers it chooses. Set adapter: lora, or adapter: qlora with load_in_4bit: true (QFoRA), or "
             "fora_mode: lora for Axolotl's own training."
         )
+    check_learning_rate(cfg.get("learning_rate"))
+    # Axolotl's LoRA config: loftq_config.loftq_bits sets init_lora_weights="loftq", else peft_init_lora_weights.
+    peft = cfg.get("peft")
+    loftq = getattr(peft, "loftq_config", None) if not isinstance(peft, Mapping) else peft.get("loftq_config")
+    loftq_bits = getattr(loftq, "loftq_bits", None) if not isinstance(loftq, Mapping) else loftq.get("loftq_bits")
+    if loftq_bits:
+        name = f"peft.loftq_config (loftq_bits={loftq_bits}) sets init_lora_weights"
+        check_init_lora_weights("loftq", fora, name=name, mode_name=f"{PREFIX}mode")
+    elif cfg.get("peft_init_lora_weights") is not None:
+        init = cfg["peft_init_lora_weights"]
+        check_init_lora_weights(init, fora, name="peft_init_lora_weights", mode_name=f"{PREFIX}mode")
     kernels = [name for name in LORA_KERNELS if cfg.get(name)]
     if kernels:
         raise ValueError(
