@@ -2,6 +2,8 @@
 
 # No `from __future__ import annotations`: HfArgumentParser reads these field types at run time.
 import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,13 @@ INIT_A = ("zeros", "gaussian")
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is invalid: use one of {choices}.")
+
+
+def _check_float(name: str, value: Any, in_range: Callable[[float], bool], accepted: str) -> None:
+    # NaN and inf are refused before the range check: NaN passes every `<` test and trains a NaN adapter.
+    real = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not (real and in_range(value)):
+        raise ValueError(f"{name}={value!r} is invalid: use {accepted}.")
 
 
 def _check_int(name: str, value: Any, minimum: int, hint: str) -> None:
@@ -77,6 +86,23 @@ class FoRAConfig:
         default=1e-3,
         metadata={"help": "Learning rate of Cayley-Adam on lora_B (paper: 1e-3, against 2e-4 for lora_A)."},
     )
+    stiefel_beta1: float = field(
+        default=0.9,
+        metadata={
+            "help": "Cayley-Adam's decay of the first moment of lora_B's gradient, in [0, 1) (paper's code: 0.9)."
+        },
+    )
+    stiefel_beta2: float = field(
+        default=0.99,
+        metadata={
+            "help": "Cayley-Adam's decay of the scalar second moment ‖G‖² of lora_B's gradient, in [0, 1) "
+            "(paper's code: 0.99)."
+        },
+    )
+    stiefel_eps: float = field(
+        default=1e-8,
+        metadata={"help": "Cayley-Adam's ε added to √v̂, >= 0 (paper's code: 1e-8)."},
+    )
     qr_period: int = field(
         default=200,
         metadata={"help": "Re-project every lora_B onto the manifold by QR every this many steps; 0 = never."},
@@ -120,8 +146,10 @@ class FoRAConfig:
         _check_int("fisher_batches", self.fisher_batches, 1, "the paper uses 128")
         _check_int("qr_period", self.qr_period, 0, "0 = never re-project")
         _check_int("cayley_iters", self.cayley_iters, 1, "the paper uses 5")
-        if isinstance(self.lr_stiefel, bool) or not isinstance(self.lr_stiefel, (int, float)) or self.lr_stiefel <= 0:
-            raise ValueError(f"lr_stiefel={self.lr_stiefel!r} is invalid: use a float > 0 (the paper uses 1e-3).")
+        _check_float("lr_stiefel", self.lr_stiefel, lambda x: x > 0, "a finite float > 0 (the paper uses 1e-3)")
+        for name in ("stiefel_beta1", "stiefel_beta2"):
+            _check_float(name, getattr(self, name), lambda x: 0 <= x < 1, "a float in [0, 1), e.g. 0.9 and 0.99")
+        _check_float("stiefel_eps", self.stiefel_eps, lambda x: x >= 0, "a finite float >= 0, e.g. 1e-8")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, "or None for the training seed")
         if self.layers is not None:
@@ -157,7 +185,7 @@ def _parse_budget(value: float | int | str) -> float | int:
             value = int(value) if value.strip().lstrip("+").isdigit() else float(value)
         except ValueError:
             raise ValueError(f"layer_budget={value!r} is invalid: use a fraction in (0, 1] or an int K.") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"layer_budget={value!r} is invalid: use a fraction in (0, 1] or an int K.")
     if isinstance(value, float) and not 0.0 < value <= 1.0:
         raise ValueError(f"layer_budget={value} is a fraction outside (0, 1]: use e.g. 0.5 (K = L/2) or an int K.")

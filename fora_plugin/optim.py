@@ -435,6 +435,24 @@ def _cayley_adam_bucket_step(
 
 _ADAMW_DEFAULT_LR = 1e-3  # torch.optim.AdamW's
 
+# transformers' lr_scheduler_type values that cannot keep the Stiefel group's rate at lr_stiefel / lr of the AdamW
+# groups' rate. Every other one scales all groups by one factor (LambdaLR) or each by the same factor.
+UNSUPPORTED_LR_SCHEDULERS = {
+    "greedy": "GreedyLR clips each group's rate to absolute bounds (min_lr, max_lr), so the two groups reach them "
+    "at different steps and their ratio changes",
+}
+
+
+def check_lr_scheduler_type(name: Any) -> None:
+    """Refuse, by name, an HF ``lr_scheduler_type`` that would break the ratio of FoRA's two learning rates."""
+    name = getattr(name, "value", name)  # a transformers SchedulerType
+    if name in UNSUPPORTED_LR_SCHEDULERS:
+        raise ValueError(
+            f"lr_scheduler_type={name!r} cannot be used with FoRA: {UNSUPPORTED_LR_SCHEDULERS[name]}, while FoRA "
+            "trains lora_B at fora_lr_stiefel and lora_A at learning_rate. Use another schedule, e.g. 'cosine', "
+            "'linear', 'cosine_with_min_lr' or 'reduce_lr_on_plateau'."
+        )
+
 
 class FoRAOptimizer(Optimizer):
     """One optimizer over AdamW groups and Cayley-Adam groups (a group with ``"stiefel": True``).

@@ -18,6 +18,8 @@ def test_defaults_are_the_papers_settings():
         200,
     )
     assert config.selects_layers and config.uses_stiefel
+    # Cayley-Adam's moments as in the paper's code (what CayleyAdam used before they were configurable).
+    assert (config.stiefel_beta1, config.stiefel_beta2, config.stiefel_eps) == (0.9, 0.99, 1e-8)
 
 
 @pytest.mark.parametrize(
@@ -44,6 +46,16 @@ def test_modes_are_the_2x2_ablation(mode, selects, stiefel):
         ({"qr_period": -1}, r"qr_period=-1 is invalid"),
         ({"cayley_iters": 0}, r"cayley_iters=0 is invalid"),
         ({"lr_stiefel": 0.0}, r"lr_stiefel=0.0 is invalid"),
+        ({"lr_stiefel": float("nan")}, r"lr_stiefel=nan is invalid: use a finite float > 0"),
+        ({"lr_stiefel": float("inf")}, r"lr_stiefel=inf is invalid: use a finite float > 0"),
+        ({"lr_stiefel": "1e-3"}, r"lr_stiefel='1e-3' is invalid"),
+        ({"stiefel_beta1": 1.0}, r"stiefel_beta1=1.0 is invalid: use a float in \[0, 1\)"),
+        ({"stiefel_beta2": float("nan")}, r"stiefel_beta2=nan is invalid: use a float in \[0, 1\)"),
+        ({"stiefel_beta2": -0.1}, r"stiefel_beta2=-0.1 is invalid"),
+        ({"stiefel_eps": -1e-8}, r"stiefel_eps=-1e-08 is invalid: use a finite float >= 0"),
+        ({"stiefel_eps": float("inf")}, r"stiefel_eps=inf is invalid"),
+        ({"layer_budget": float("nan")}, r"layer_budget=nan is invalid"),
+        ({"layer_budget": "inf"}, r"layer_budget=inf is invalid"),
         ({"layers": [1, 1]}, r"layers=\[1, 1\] is invalid"),
         ({"layers": [-2]}, r"layers=\[-2\] is invalid"),
         ({"layers": [1], "mode": "lora"}, r"layers=\[1\] contradicts mode='lora'"),
@@ -75,6 +87,8 @@ def test_yaml_and_overrides_through_trls_parser(tmp_path):
         "fora_mode": "fg-lora",
         "fora_layer_budget": 3,
         "fora_fisher_batches": 16,
+        "fora_stiefel_beta2": 0.995,
+        "fora_stiefel_eps": 1e-6,
     }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -88,5 +102,8 @@ def test_yaml_and_overrides_through_trls_parser(tmp_path):
         16,
         [1, 3],
     )
+    assert (fora_config.stiefel_beta1, fora_config.stiefel_beta2, fora_config.stiefel_eps) == (0.9, 0.995, 1e-6)
+    with pytest.raises(ValueError, match=r"lr_stiefel=nan is invalid"):
+        parser.parse_args_and_config(["--config", str(path), "--fora_lr_stiefel", "nan"])[-1].to_fora_config()
     with pytest.raises(SystemExit):
         parser.parse_args_and_config(["--config", str(path), "--fora_mode", "nope"])

@@ -8,7 +8,7 @@ import torch
 from dense_reference import dense_cayley_adam
 
 from fora_plugin import CayleyAdam, FoRAOptimizer
-from fora_plugin.stiefel import orthogonality_error, random_stiefel
+from fora_plugin.stiefel import orthogonality_error, qr_retraction, random_stiefel
 
 
 def stiefel_params(shapes, seed=0, dtype=torch.float32):
@@ -80,6 +80,35 @@ def test_qr_period_reprojects_onto_the_manifold():
         opt.step()
     # Cayley preserves BᵀB, so only the QR at step 3 brings the drift back to rounding level.
     assert orthogonality_error(p.detach()) < 1e-5
+
+
+@pytest.mark.parametrize(("knock", "reprojected"), [(1e-2, True), (1e-5, False)])
+def test_drift_above_the_threshold_is_reprojected_within_the_step(knock, reprojected):
+    gen = torch.Generator().manual_seed(21)
+    params = stiefel_params([(24, 4), (24, 4)], seed=22, dtype=torch.float64)
+    opt = CayleyAdam(params, lr=0.05, qr_period=0)  # reproject_threshold = 1e-3
+    for _ in range(3):
+        set_random_grads(params, gen)
+        opt.step()
+    with torch.no_grad():
+        params[0].add_(knock * torch.randn(params[0].shape, generator=gen, dtype=torch.float64))
+    # Reference: the same optimizer, its B set by hand to the sign-fixed Householder QR of the knocked B (or left).
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin_opt = CayleyAdam(twin, lr=0.05, qr_period=0, reproject_threshold=1.0)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    if reprojected:
+        with torch.no_grad():
+            twin[0].copy_(qr_retraction(twin[0]))
+    set_random_grads(params, gen)
+    for p, q in zip(params, twin):
+        q.grad = p.grad.clone()
+    opt.step()
+    twin_opt.step()
+    for p, q in zip(params, twin):
+        assert torch.max(torch.abs(p.detach() - q.detach())) < 1e-10
+    assert [int(opt.state[p]["reprojections"]) for p in params] == [int(reprojected), 0]
+    assert opt.reprojections() == int(reprojected)
+    assert orthogonality_error(params[0].detach()) < (1e-12 if reprojected else 1e-3)
 
 
 def test_maximising_a_trace_finds_the_top_eigenspace():
@@ -194,6 +223,12 @@ def test_construction_refuses_what_cannot_be_stiefel():
         ({"lr": -1.0}, r"lr=-1.0"),
         ({"betas": (0.9, 1.0)}, r"betas=\(0.9, 1.0\)"),
         ({"eps": -1e-8}, r"eps=-1e-08"),
+        ({"lr": float("nan")}, r"lr=nan is invalid: use a finite float >= 0"),
+        ({"lr": float("inf")}, r"lr=inf is invalid"),
+        ({"eps": float("nan")}, r"eps=nan is invalid: use a finite float >= 0"),
+        ({"betas": (float("nan"), 0.99)}, r"betas=\(nan, 0.99\) is invalid"),
+        ({"reproject_threshold": 0.0}, r"reproject_threshold=0.0 is invalid: use a finite float > 0"),
+        ({"reproject_threshold": float("nan")}, r"reproject_threshold=nan is invalid"),
         ({"qr_period": -5}, r"qr_period=-5.*0 = never"),
         ({"qr_period": 2.5}, r"qr_period=2.5"),
         ({"cayley_solver": "newton"}, r"cayley_solver='newton'.*'exact', 'fixed_point'"),
@@ -203,6 +238,23 @@ def test_construction_refuses_what_cannot_be_stiefel():
 def test_bad_hyperparameters_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CayleyAdam(stiefel_params([(8, 2)]), **kwargs)
+
+
+def test_eps_zero_with_zero_gradients_does_not_move_and_then_follows_the_dense_reference():
+    # With lora_A = 0 the first lora_B gradients are exactly 0: v = 0, and with eps = 0 the step was 0/0 = NaN.
+    gen = torch.Generator().manual_seed(20)
+    B0 = random_stiefel(12, 3, generator=gen, dtype=torch.float64)
+    grads = [torch.zeros(12, 3, dtype=torch.float64)] * 2 + [torch.randn(12, 3, generator=gen, dtype=torch.float64)]
+    # The dense reference with a vanishing eps: 0/(0 + 1e-300) = 0, then the same steps as eps = 0.
+    expected = dense_cayley_adam(B0, grads, lr=0.05, eps=1e-300)
+    p = torch.nn.Parameter(B0.clone())
+    opt = CayleyAdam([p], lr=0.05, eps=0.0, qr_period=0)
+    for t, G in enumerate(grads):
+        p.grad = G.clone()
+        opt.step()
+        assert torch.all(torch.isfinite(p))
+        assert torch.max(torch.abs(p.detach() - expected[t])) < 1e-10
+    assert torch.equal(expected[1], B0) and not torch.allclose(expected[2], B0)
 
 
 def test_fora_optimizer_steps_adamw_groups_like_torch_adamw():
@@ -356,3 +408,56 @@ def test_fora_optimizer_parts_puts_fused_expert_lora_b_in_their_own_group():
         blocks = p.detach().view(d, width // EXPERTS, EXPERTS).permute(2, 0, 1)
         assert torch.all(orthogonality_error(blocks) < 1e-5)
         assert orthogonality_error(p.detach()) > 0.5  # the whole (d, r·E) matrix is not orthonormal
+
+
+# ---- LR schedulers: every transformers scheduler keeps the lr_stiefel / lr ratio, or is refused by name ---------
+
+SCHEDULER_KWARGS = {
+    "cosine_with_min_lr": {"min_lr": 1e-5},
+    "cosine_warmup_with_min_lr": {"min_lr": 1e-5},
+    "warmup_stable_decay": {"num_decay_steps": 4},
+    "greedy": {"patience": 0, "factor": 0.5, "min_lr": 1e-4},  # lr hits its floor two halvings before lr_stiefel
+    "reduce_lr_on_plateau": {"patience": 0, "factor": 0.5},
+}
+
+
+def two_group_fora_optimizer():
+    a = torch.nn.Parameter(torch.zeros(3, 5))
+    (b,) = stiefel_params([(5, 3)], seed=40)
+    return FoRAOptimizer(
+        [{"params": [a]}, {"params": [b], "stiefel": True}],
+        adamw_defaults={"lr": 2e-4},
+        stiefel_defaults={"lr": 1e-3},
+    )
+
+
+@pytest.mark.parametrize("name", [s.value for s in __import__("transformers").SchedulerType])
+def test_every_transformers_scheduler_keeps_the_lr_ratio_or_is_refused(name):
+    from transformers import get_scheduler
+
+    from fora_plugin.optim import UNSUPPORTED_LR_SCHEDULERS, check_lr_scheduler_type
+
+    opt = two_group_fora_optimizer()
+    assert opt.defaults["lr"] == 2e-4  # what polynomial and the min-lr schedules divide by
+    scheduler = get_scheduler(
+        name, opt, num_warmup_steps=2, num_training_steps=12, scheduler_specific_kwargs=SCHEDULER_KWARGS.get(name)
+    )
+    ratios, lrs = [], []
+    for step in range(12):
+        opt.step()  # no gradients: a no-op, but the scheduler expects it first
+        if name in ("reduce_lr_on_plateau", "greedy"):
+            scheduler.step(float(step))  # a loss that never improves
+        else:
+            scheduler.step()
+        lrs.append(opt.param_groups[0]["lr"])
+        ratios.append(opt.param_groups[1]["lr"] / opt.param_groups[0]["lr"] if opt.param_groups[0]["lr"] else 5.0)
+    keeps_ratio = all(abs(ratio - 5.0) < 1e-9 for ratio in ratios)
+    if name in UNSUPPORTED_LR_SCHEDULERS:
+        assert not keeps_ratio  # the reason it is refused
+        with pytest.raises(ValueError, match=rf"lr_scheduler_type='{name}' cannot be used with FoRA"):
+            check_lr_scheduler_type(name)
+    else:
+        assert keeps_ratio, ratios
+        check_lr_scheduler_type(name)
+    if name != "constant":
+        assert len(set(lrs)) > 1  # the schedule did act
