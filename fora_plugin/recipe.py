@@ -10,9 +10,12 @@ reported as a ``ValueError`` naming the value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 
+
+logger = logging.getLogger(__name__)
 
 # What torchrun, `deepspeed` and `accelerate launch` set in every process they start.
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -111,8 +114,14 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
         fora_config = dataclasses.replace(
             fora_config, mode=mode, layers=None, layer_strategy="fisher", scores_path=None
         )
-        # A resumed run would reuse the checkpoint's selection instead of scoring.
-        training_args.resume_from_checkpoint = None
+        if training_args.resume_from_checkpoint not in (None, False, "", "false", "False"):
+            # A resumed run would reuse the checkpoint's selection instead of scoring.
+            logger.info(
+                "fora score: scoring afresh; resume_from_checkpoint=%s is ignored (training would reuse the "
+                "checkpoint's layers).",
+                training_args.resume_from_checkpoint,
+            )
+            training_args.resume_from_checkpoint = None
     if model_args.model_name_or_path is None:
         raise ValueError(
             "The config has no model_name_or_path: name a local folder, a .gguf file, a hub model, or "

@@ -224,7 +224,9 @@ def test_ablation_dora_row_reports_the_effective_rank_of_merged_minus_base(setup
     assert result["mean_effective_rank"] == pytest.approx(sum(ranks) / len(ranks), rel=1e-4)
 
 
-def test_fora_score_scores_afresh_when_the_config_resumes_a_checkpoint(setup, tmp_path, capsys):
+def test_fora_score_scores_afresh_when_the_config_resumes_a_checkpoint(setup, tmp_path, capsys, caplog):
+    import logging
+
     root, path = setup
     checkpoint = tmp_path / "checkpoint-7"
     checkpoint.mkdir()
@@ -233,7 +235,9 @@ def test_fora_score_scores_afresh_when_the_config_resumes_a_checkpoint(setup, tm
     (checkpoint / "fora_scores.json").write_text(json.dumps(saved))
     out = tmp_path / "scored"
     args = ["score", str(path), "--resume_from_checkpoint", str(checkpoint), "--output_dir", str(out)]
-    assert main(args) == 0
+    with caplog.at_level(logging.INFO, logger="fora_plugin.recipe"):
+        assert main(args) == 0
+    assert any("scoring afresh" in r.getMessage() and str(checkpoint) in r.getMessage() for r in caplog.records)
     written = json.loads((out / "fora_scores.json").read_text())
     assert written["source"] == "fisher" and written["num_batches"] == 2  # the config's fora_fisher_batches
     assert written["scores"] != saved["scores"]
