@@ -324,34 +324,45 @@ def _restored(model: nn.Module):
             m.training = mode
 
 
-@contextlib.contextmanager
-def _training_without_dropout(model: nn.Module, layer_prefix: str):
-    """Train mode where training needs it, with every dropout off: the score is an expectation, not a sample.
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+# Float attributes (of modules and of their configs) that are rates of something random in train mode: dropout,
+# attention_dropout, layerdrop, drop_path / drop_prob, router_jitter_noise, input_jitter_noise.
+_RANDOM_RATE_WORDS = ("drop", "jitter")
 
-    The decoder layers and the modules holding them stay in train mode (transformers checkpoints a layer only when
-    its ``self.training`` is set, and a model turns its KV cache off under checkpointing in training); their own
-    dropout rates (float attributes such as ``dropout``, ``attention_dropout``, ``layerdrop``) are set to 0 for the
-    scoring. Every other module (nn.Dropout, attention modules whose dropout reads ``self.training``, MoE routers
-    with jitter noise) is in eval mode. ``_restored`` gives the modes back.
+
+@contextlib.contextmanager
+def _training_without_dropout(model: nn.Module):
+    """Train mode with everything random in it off: the score is an expectation, not a sample.
+
+    The model stays in train mode, since modules act on it beyond dropout: transformers checkpoints a decoder layer
+    only when its ``self.training`` is set, and bitsandbytes repacks a 4-bit weight for inference (for good) when it
+    runs in eval mode without gradients, as a reentrant checkpoint's first forward does. Dropout modules go to eval
+    mode, and the random rates that modules (HF attention's ``attention_dropout``, a layer's ``dropout``, an MoE
+    router's jitter noise) or their configs hold are 0 while scoring. ``_restored`` gives the modes back.
     """
-    kept = {"", layer_prefix}
-    parts = layer_prefix.split(".")
-    kept.update(".".join(parts[:i]) for i in range(1, len(parts)))
     rates = []
-    for name, module in model.named_modules():
-        parent = name.rsplit(".", 1)[0] if "." in name else ""
-        is_layer = parent == layer_prefix and name.rsplit(".", 1)[-1].isdigit()
-        module.training = name in kept or is_layer
-        if module.training:
-            for attr, value in vars(module).items():
-                if "drop" in attr and isinstance(value, float) and not isinstance(value, bool) and value > 0:
-                    rates.append((module, attr, value))
-                    setattr(module, attr, 0.0)
+    holders = {}
+    for module in model.modules():
+        if isinstance(module, _DROPOUT_MODULES):
+            module.training = False
+            if module.p > 0:  # GPT-2's attention passes its attn_dropout.p to the attention kernel itself
+                rates.append((module, "p", module.p))
+                module.p = 0.0
+        holders[id(module)] = module
+        config = getattr(module, "config", None)
+        if config is not None and not isinstance(config, nn.Module):
+            holders[id(config)] = config
+    for holder in holders.values():
+        for attr, value in list(vars(holder).items()):
+            is_rate = isinstance(value, float) and any(word in attr for word in _RANDOM_RATE_WORDS)
+            if is_rate and value > 0:
+                rates.append((holder, attr, value))
+                setattr(holder, attr, 0.0)
     try:
         yield
     finally:
-        for module, attr, value in rates:
-            setattr(module, attr, value)
+        for holder, attr, value in rates:
+            setattr(holder, attr, value)
 
 
 def fisher_scores(
@@ -389,8 +400,8 @@ def fisher_scores(
             ``compute_loss_context_manager`` (autocast as in training).
         progress: show a progress bar.
 
-    The decoder layers run in train mode (so gradient checkpointing, if enabled, applies as in training) with every
-    dropout off; requires_grad flags, modes and gradients are restored afterwards. Scores are summed on the device
+    The model runs in train mode (so gradient checkpointing, if enabled, applies as in training) with every dropout
+    off; requires_grad flags, modes and gradients are restored afterwards. Scores are summed on the device
     of the model's first parameter, also when the layers are spread over devices.
     """
     if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
@@ -424,7 +435,8 @@ def fisher_scores(
         disable_adapters = getattr(model, "disable_adapter", None)
         if callable(disable_adapters):
             stack.enter_context(disable_adapters())  # score the base model, not base + adapter
-        stack.enter_context(_training_without_dropout(model, prefix))
+        model.train()
+        stack.enter_context(_training_without_dropout(model))
         count = 0
         bar = tqdm(total=num_batches, desc="Fisher scoring", unit="batch", disable=not progress)
         stack.callback(bar.close)

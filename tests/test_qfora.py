@@ -225,3 +225,19 @@ def test_a_4bit_model_repacked_by_an_eval_forward_is_refused(tmp_path):
         model(batches[0]["input_ids"])
     with pytest.raises(ValueError, match="packing_format_for_cpu=True: an eval-mode forward"):
         fisher_scores(model, batches, 1)
+
+
+def test_scoring_under_reentrant_checkpointing_leaves_the_4bit_weights_trainable(tmp_path):
+    # A reentrant checkpoint's first forward runs without gradients: a Linear4bit in eval mode would repack its
+    # weight for inference there (for good). Scoring turns dropout off without putting the model in eval mode.
+    tiny_llama(2, vocab_size=VOCAB, hidden_size=128, intermediate_size=256).save_pretrained(tmp_path)
+    batches = make_batches()
+    plain = fisher_scores(load_4bit(tmp_path), batches, 3, progress=False).scores
+    model = load_4bit(tmp_path)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert_close(fisher_scores(model, batches, 3, progress=False).scores, plain, rtol=1e-5)
+    assert not any(
+        getattr(m.weight.quant_state, "packing_format_for_cpu", False)
+        for m in model.modules()
+        if isinstance(m, bnb.nn.Linear4bit)
+    )
