@@ -142,7 +142,13 @@ def _check_quant_storage(model: nn.Module) -> None:
 
 class FSDP2Callback(TrainerCallback):
     """When training starts (after accelerate has sharded the model and switched the optimizer's parameters): checks
-    the sharded setup (:func:`check_sharded_training`) and that every rank adapts the same layers."""
+    the sharded setup (:func:`check_sharded_training`) and that every rank adapts the same layers. When it ends:
+    makes the adapter that ``save_model`` writes a whole one.
+
+    HF Trainer's ``save_model`` writes nothing under FSDP with ``SHARDED_STATE_DICT`` (only checkpoints, which are
+    for resuming): the trained adapter would silently not be saved. Checkpoints stay sharded; after training the
+    state dict type becomes ``FULL_STATE_DICT``, so the final adapter is gathered whole and saved as plain PEFT LoRA.
+    """
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -153,6 +159,11 @@ class FSDP2Callback(TrainerCallback):
         selection = getattr(trainer, "fora_selection", None)
         if selection is not None:
             check_same_selection(selection.chosen)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        plugin = getattr(self.trainer.accelerator.state, "fsdp_plugin", None)
+        if plugin is not None and "FULL_STATE_DICT" not in str(plugin.state_dict_type):
+            plugin.set_state_dict_type("FULL_STATE_DICT")
 
 
 def check_sharded_training(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
