@@ -7,11 +7,11 @@ keeps each expert's (d_out, r) block on its own Stiefel manifold, on the chosen 
 import pytest
 import torch
 from conftest import EXPERT_PARAMETERS, char_tokenizer, tiny_moe
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from test_fisher import assert_close, make_batches
 from test_trainer import VOCAB, sft_args, sums_dataset
 
-from fora_plugin import FoRAConfig, FoRASFTTrainer, stiefel_num_experts, stiefel_parameters
+from fora_plugin import FoRAConfig, FoRASFTTrainer, build_fora_optimizer, stiefel_num_experts, stiefel_parameters
 from fora_plugin.adapter import expert_blocks
 from fora_plugin.fisher import find_decoder_layers, fisher_scores
 from fora_plugin.stiefel import orthogonality_error
@@ -169,3 +169,31 @@ def test_fora_sft_trainer_adapts_only_the_chosen_layers_of_an_moe(tmp_path, caps
         assert orthogonality_error(expert_blocks(p.detach(), experts[id(p)])).max() < 1e-5
     logged = [log for log in trainer.state.log_history if "fora/max_orthogonality_error" in log]
     assert logged and all(log["fora/max_orthogonality_error"] < 1e-5 for log in logged)
+
+
+def test_training_keeps_each_expert_block_on_its_manifold_and_the_adapter_reloads(tmp_path, token_batch):
+    model, _ = fora_moe()
+    optimizer = build_fora_optimizer(model, lr=1e-2, lr_stiefel=5e-2)
+    fused = [p for n, p in stiefel_parameters(model) if "experts" in n]
+    before = [p.detach().clone() for p in fused]
+    model.train()
+    for batch in make_batches(n=4):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    drifts = []
+    for p, start in zip(fused, before):
+        blocks = expert_blocks(p.detach(), EXPERTS)
+        drifts.append(orthogonality_error(blocks).max().item())
+        assert drifts[-1] < 1e-5 and not torch.equal(p.detach(), start)
+        assert (blocks[0].T @ blocks[1]).abs().max() > 1e-2  # still one manifold per expert
+    assert _max_drift(model, optimizer) >= max(drifts)
+
+    with torch.no_grad():
+        trained_logits = model(input_ids=token_batch).logits
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(tiny_moe(), tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=token_batch).logits, trained_logits, rtol=0, atol=1e-6)
+    assert not torch.allclose(trained_logits, tiny_moe()(input_ids=token_batch).logits)
