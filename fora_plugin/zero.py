@@ -57,6 +57,7 @@ __all__ = [
     "find_zero_client",
     "gathered_trainable_parameters",
     "check_deepspeed_config",
+    "deepspeed_zero_stage",
     "load_deepspeed_config",
     "zero3_scoring_engine",
 ]
@@ -383,6 +384,11 @@ class Zero3FoRAOptimizer(AdamW):
         """The full fp32 ``lora_B`` (every rank holds them all), as of the last step."""
         return [p for group in self.stiefel.param_groups for p in group["params"]]
 
+    def stiefel_points(self) -> dict[torch.Tensor, torch.Tensor]:
+        """The module's ``lora_B`` parameters -> their full fp32 values (the points on the manifold, as of the last
+        step): what a log of the orthogonality drift reads, where the module's own copy is partitioned or bf16."""
+        return dict(self._full)
+
     def bind(self, engine_optimizer: Any) -> None:
         """Check the DeepSpeed ZeRO-3 optimizer wrapping this one (``engine.optimizer``) against FoRA's settings.
 
@@ -483,6 +489,14 @@ class Zero3FoRAOptimizer(AdamW):
         # lora_B itself comes back with DeepSpeed's checkpoint (the fp32 partition) and is gathered at each step.
         self.stiefel.load_state_dict(state_dict["stiefel"])
         self.steps = int(state_dict["steps"])
+
+
+def deepspeed_zero_stage(trainer: Any) -> int:
+    """The ZeRO stage of an HF trainer's DeepSpeed config (``zero_optimization.stage``); 0 without DeepSpeed."""
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return 0
+    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+    return int((config.get("zero_optimization") or {}).get("stage", 0))
 
 
 @contextlib.contextmanager

@@ -6,9 +6,10 @@ SFTConfig exists, so ``zero.Init`` partitions its weights as it would a real mod
 :class:`~fora_plugin.zero.Zero3FoRAOptimizer` and saves a checkpoint at step 3 and the adapter at the end; a second
 trainer resumes from the checkpoint to step 6. Each rank writes its results to ``OUT_DIR/<run>-rank<k>.pt``.
 
-``fora_plugin/trainer.py`` does not take the ZeRO-3 path yet: :class:`Zero3Trainer` and :func:`zero3_call_sites`
-make the call-site changes proposed for it (ZeRO-3 accepted by the config check, scoring inside the scoring engine
-by activations, the ZeRO-3 client optimizer, logs read from gathered adapters). On a CPU-only host ``use_cpu=True``
+Until ``fora_plugin/trainer.py`` takes the ZeRO-3 path itself (``NATIVE``: it imports ``deepspeed_zero_stage``),
+:class:`Zero3Trainer` and :func:`zero3_call_sites` make the call-site changes proposed for it (ZeRO-3 accepted by the
+config check, scoring inside the scoring engine by activations, the ZeRO-3 client optimizer, logs read from gathered
+adapters); once it does, the plain FoRASFTTrainer runs. On a CPU-only host ``use_cpu=True``
 makes accelerate count the torchrun ranks; bf16 is refused on a CPU, so this runs in fp32.
 """
 
@@ -43,6 +44,7 @@ DEEPSPEED = {
     "train_micro_batch_size_per_gpu": "auto",
 }
 STEPS, SAVE_AT = 6, 3
+NATIVE = hasattr(fora_trainer, "deepspeed_zero_stage")
 # The target linears, scored by their inputs and output gradients (norm weights: see test_zero's ZeRO-3 scoring).
 FORA = dict(fisher_batches=2, lr_stiefel=5e-2, fisher_params="targets")
 
@@ -77,7 +79,7 @@ def zero3_call_sites():
             setattr(fora_trainer, name, value)
 
 
-def make_trainer(out: Path, model_dir: Path) -> Zero3Trainer:
+def make_trainer(out: Path, model_dir: Path) -> FoRASFTTrainer:
     from transformers import AutoModelForCausalLM
 
     args = sft_args(
@@ -93,7 +95,7 @@ def make_trainer(out: Path, model_dir: Path) -> Zero3Trainer:
     model = AutoModelForCausalLM.from_pretrained(model_dir)  # after the SFTConfig: zero.Init partitions it
     layers = [p for n, p in model.named_parameters() if ".layers." in n]
     assert layers and all(p.numel() == 0 for p in layers), "from_pretrained did not partition the model"
-    return Zero3Trainer(
+    return (FoRASFTTrainer if NATIVE else Zero3Trainer)(
         model,
         args,
         train_dataset=sums_dataset(),
@@ -103,7 +105,7 @@ def make_trainer(out: Path, model_dir: Path) -> Zero3Trainer:
     )
 
 
-def snapshot(trainer: Zero3Trainer, partitioned: bool) -> dict:
+def snapshot(trainer: FoRASFTTrainer, partitioned: bool) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param
 
     engine = trainer.model_wrapped
@@ -122,13 +124,14 @@ def snapshot(trainer: Zero3Trainer, partitioned: bool) -> dict:
         "client": type(client).__name__,
         "client_steps": client.steps,
         "logs": [log for log in trainer.state.log_history if "loss" in log],
+        "native": NATIVE,
     }
 
 
 def main(out_dir: str) -> None:
     out = Path(out_dir)
     model_dir = out / "model"
-    with zero3_call_sites():
+    with contextlib.nullcontext() if NATIVE else zero3_call_sites():
         import deepspeed
 
         deepspeed.init_distributed()
