@@ -55,7 +55,7 @@ def engine_runs(tmp_path_factory):
     for world in WORLDS:
         out = tmp_path_factory.mktemp(f"fsdp{world}")
         torchrun(HERE / "distributed" / "fsdp_engine.py", str(out), nproc=world)
-        runs[world] = [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
+        runs[world] = [{**torch.load(out / f"rank{rank}.pt"), "out": out} for rank in range(world)]
     return runs
 
 
@@ -159,6 +159,19 @@ def test_fisher_scores_on_the_sharded_model_equal_one_process(engine_runs, world
         assert not isinstance(scores, str), scores
         assert scores == pytest.approx(reference, rel=1e-5)
         assert run["fisher"]["grads_left"] == []
+
+
+@pytest.mark.slow
+def test_fisher_scores_of_a_sharded_4bit_model_equal_one_process(engine_runs):
+    # FSDP-QLoRA: NF4 weights packed in a bf16 storage are sharded by rows like any weight; scored by x/g on each
+    # rank's batches, they equal the unsharded 4-bit model's scores (and differ from the float model's).
+    runs = engine_runs[2]
+    reference = fsdp_engine.fisher_4bit_single_process(runs[0]["out"] / "model", 2)
+    for run in runs:
+        scores = run["fisher"]["scores_4bit"]
+        assert not isinstance(scores, str), scores
+        assert scores == pytest.approx(reference, rel=1e-5)
+    assert reference != pytest.approx(runs[0]["fisher"]["scores"]["layer"], rel=1e-3)
 
 
 @pytest.mark.slow

@@ -298,6 +298,45 @@ class PeakLiveBytes(TorchDispatchMode):
         self.current -= size
 
 
+def load_4bit(folder: Path) -> torch.nn.Module:
+    """``folder``'s model in 4-bit NF4, packed into a bf16 storage (what FSDP2 shards), in train mode (an eval-mode
+    forward would repack the weights for CPU inference)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_quant_storage=torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization, device_map="cpu")
+    return model.train()
+
+
+def fisher_4bit_single_process(folder: Path, world: int) -> list[float]:
+    """The reference: the unsharded 4-bit model, scored through its Linear4bit inputs and output gradients."""
+    batches = fisher_batches(world)
+    return fisher_scores(load_4bit(folder), batches, len(batches), progress=False).scores
+
+
+def run_fisher_4bit(mesh, out: Path) -> list[float] | str:
+    """FSDP-QLoRA scoring: the 4-bit model sharded (its packed bf16 storage split by rows like any weight), each
+    rank scoring its own batches by x/g."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if rank == 0:
+        base_model().save_pretrained(out / "model")
+    dist.barrier()
+    model = load_4bit(out / "model")
+    shard(model, mesh)
+    batches = fisher_batches(world)[rank::world]
+    try:
+        return fisher_scores(model, batches, len(batches), linear_grad="activations", progress=False).scores
+    except Exception as error:  # recorded, so that the test names what failed
+        return f"{type(error).__name__}: {error}"
+
+
 def run_fisher(mesh) -> dict:
     import torch.distributed as dist
 
@@ -323,7 +362,7 @@ def run_fisher(mesh) -> dict:
             scores[fisher_params] = f"{type(error).__name__}: {error}"
     grads_left = [n for n, p in model.named_parameters() if p.grad is not None]
 
-    memory = scoring_memory(mesh, rank)
+    memory = scoring_memory(mesh, rank) if world == 2 else {}  # checked once
     return {"scores": scores, "grads_left": grads_left, **memory}
 
 
@@ -379,6 +418,7 @@ def main(out_dir: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     train, resumed = run_training(mesh, out)
     fisher = run_fisher(mesh)
+    fisher["scores_4bit"] = run_fisher_4bit(mesh, out)
     check_same_selection([0, 2])  # the same on every rank: passes
     try:
         check_same_selection([0, 1 + dist.get_rank()])
