@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import linecache
+import dis
 import logging
 import os
 import sys
@@ -47,15 +47,21 @@ class _DropMessage(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
+def _drop(logger_name: str, prefix: str) -> None:
+    target = logging.getLogger(logger_name)
+    if not any(isinstance(f, _DropMessage) and f.prefix == prefix for f in target.filters):
+        target.addFilter(_DropMessage(prefix))
+
+
 def quiet_third_party_noise() -> None:
-    """Silence the known third-party messages above, before the libraries that print them are imported."""
-    silenced = [(_BNB_KERNEL_LOGGER, _BNB_KERNEL_MESSAGE)]
+    """Silence the known third-party messages above by their exact text; other messages of those loggers still show.
+
+    bitsandbytes logs its message while PEFT imports it, which ``import fora_plugin`` already did by the time this
+    runs: its filter only catches a later import here, the package has to install it before its own imports.
+    """
+    _drop(_BNB_KERNEL_LOGGER, _BNB_KERNEL_MESSAGE)
     if "RANK" not in os.environ:
-        silenced.append((_DEEPSPEED_LOGGER, _DEEPSPEED_ACCELERATOR_MESSAGE))
-    for name, prefix in silenced:
-        target = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessage) and f.prefix == prefix for f in target.filters):
-            target.addFilter(_DropMessage(prefix))
+        _drop(_DEEPSPEED_LOGGER, _DEEPSPEED_ACCELERATOR_MESSAGE)
     warnings.filterwarnings("ignore", message=_PEFT_DEPRECATION, category=FutureWarning)
 
 
@@ -93,10 +99,11 @@ def is_input_error(error: BaseException) -> bool:
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
-    file = Path(tb.tb_frame.f_code.co_filename).resolve()
-    if _PACKAGE_DIR not in file.parents:
+    code = tb.tb_frame.f_code
+    if _PACKAGE_DIR not in Path(code.co_filename).resolve().parents:
         return False
-    return linecache.getline(str(file), tb.tb_lineno).lstrip().startswith("raise")
+    # An explicit `raise` statement, not an operation of ours that failed (unpacking, a call into C code).
+    return any(i.offset == tb.tb_lasti and i.opname == "RAISE_VARARGS" for i in dis.get_instructions(code))
 
 
 def build_parser() -> argparse.ArgumentParser:

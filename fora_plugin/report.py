@@ -96,14 +96,17 @@ def adapter_report(adapter_dir: str | Path) -> dict[str, Any]:
         by_type[m["type"]].append(m)
     summary = {}
     for kind, items in sorted(by_type.items()):
-        r = items[0]["rank"]
-        spectra = torch.tensor([m["singular_values"] for m in items])  # (modules, r)
+        # rank_pattern can give modules of one type different ranks: shorter spectra are padded with zeros.
+        r = max(m["rank"] for m in items)
+        spectra = torch.zeros(len(items), r, dtype=torch.float64)  # (modules, r)
+        for row, m in zip(spectra, items):
+            row[: m["rank"]] = torch.tensor(m["singular_values"], dtype=torch.float64)
         normalised = spectra / spectra[:, :1].clamp_min(1e-30)
         summary[kind] = {
             "modules": len(items),
             "rank": r,
             "mean_effective_rank": sum(m["effective_rank"] for m in items) / len(items),
-            "effective_rank_ratio": sum(m["effective_rank"] for m in items) / len(items) / r,
+            "effective_rank_ratio": sum(m["effective_rank"] / m["rank"] for m in items) / len(items),
             "mean_delta_w_norm": sum(m["delta_w_norm"] for m in items) / len(items),
             "max_orthogonality_error": max(m["orthogonality_error"] for m in items),
             "mean_normalised_spectrum": normalised.mean(dim=0).tolist(),

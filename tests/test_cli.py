@@ -355,6 +355,7 @@ def test_fora_train_prints_no_warning_our_code_or_config_causes(setup, tmp_path)
     )
     assert done.returncode == 0, done.stderr
     output = done.stdout + done.stderr
-    for noise in ("Warning:", "is deprecated", "Setting accelerator to CPU"):
+    # What this project's configs and code caused: transformers' and PEFT's deprecations, DeepSpeed's guess.
+    for noise in ("FutureWarning", "checkpointing` is deprecated", "Setting accelerator to CPU"):
         assert noise not in output, output
     assert "FoRA training done" in output

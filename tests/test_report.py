@@ -107,7 +107,7 @@ def test_report_scales_each_module_by_its_rank_and_alpha_pattern(tmp_path):
         r=4,
         lora_alpha=8,
         target_modules=["q_proj", "v_proj"],
-        rank_pattern={"v_proj": 2},
+        rank_pattern={"v_proj": 2, "layers.0.self_attn.q_proj": 3},
         alpha_pattern={"layers.1.self_attn.q_proj": 32},
     )
     model = get_peft_model(tiny_llama(), config)
@@ -121,11 +121,18 @@ def test_report_scales_each_module_by_its_rank_and_alpha_pattern(tmp_path):
     for m in report["modules"]:
         layer = model.get_submodule(m["module"])
         expected = torch.linalg.svdvals(layer.get_delta_weight("default").double())[: m["rank"]]
-        assert m["rank"] == (2 if m["type"] == "v_proj" else 4)
+        assert m["rank"] == (
+            2 if m["type"] == "v_proj" else 3 if m["module"].endswith("layers.0.self_attn.q_proj") else 4
+        )
         found = torch.tensor(m["singular_values"], dtype=torch.float64)
         assert torch.allclose(found, expected, rtol=1e-5), m["module"]
     q1 = next(m for m in report["modules"] if m["module"].endswith("layers.1.self_attn.q_proj"))
     assert q1["scaling"] == 8.0  # alpha 32 / r 4
+    q = report["by_type"]["q_proj"]  # ranks 3 and 4 in one type
+    assert q["rank"] == 4 and len(q["mean_normalised_spectrum"]) == 4
+    q_modules = [m for m in report["modules"] if m["type"] == "q_proj"]
+    expected_ratio = sum(m["effective_rank"] / m["rank"] for m in q_modules) / len(q_modules)
+    assert q["effective_rank_ratio"] == pytest.approx(expected_ratio)
 
 
 def test_report_refuses_an_adapter_holding_nan(saved_adapter):
