@@ -198,6 +198,8 @@ def fora_optimizer(trainer: Trainer, model: nn.Module, fora: FoRAConfig) -> FoRA
         weight_decay=args.weight_decay,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
+        stiefel_betas=(fora.stiefel_beta1, fora.stiefel_beta2),
+        stiefel_eps=fora.stiefel_eps,
         qr_period=fora.qr_period,
         cayley_solver=fora.cayley_solver,
         cayley_iters=fora.cayley_iters,

@@ -371,3 +371,12 @@ def test_fsdp_is_refused_up_front(tmp_path, monkeypatch):
     monkeypatch.setenv("FSDP_VERSION", "2")
     with pytest.raises(ValueError, match=r"ACCELERATE_USE_FSDP=true \(FSDP2, from `accelerate launch`"):
         make_trainer(tmp_path)
+
+
+def test_the_stiefel_betas_and_eps_reach_the_cayley_adam_group(tmp_path):
+    config = FoRAConfig(layers=[1, 2], stiefel_beta1=0.8, stiefel_beta2=0.95, stiefel_eps=1e-6)
+    trainer = make_trainer(tmp_path, config, adam_beta1=0.7, adam_epsilon=1e-7)
+    optimizer = trainer.create_optimizer()
+    (stiefel,) = [g for g in optimizer.param_groups if g.get("stiefel")]
+    assert (stiefel["betas"], stiefel["eps"]) == ((0.8, 0.95), 1e-6)
+    assert all((g["betas"], g["eps"]) == ((0.7, 0.999), 1e-7) for g in optimizer.param_groups if not g.get("stiefel"))
