@@ -5,9 +5,13 @@ mini-batches of the task data under the task loss.
 
 Memory stays that of a training step: each base-weight gradient is squared and summed into its layer's total the
 moment autograd produces it, then freed (a post-accumulate-grad hook), so at most one weight gradient exists at a
-time. The totals stay on the device: one host sync per scoring run. A linear whose weight cannot hold a gradient
-(bitsandbytes 4-bit/8-bit) is scored from its input x and output gradient g instead: ∇W = Σ_tokens g xᵀ, whose
-squared norm is also Σ (g gᵀ) ⊙ (x xᵀ), the cheaper form when there are fewer tokens than features.
+time. The totals stay on one device: one host sync per scoring run. A linear-like module whose weight cannot hold a
+gradient (bitsandbytes, GPTQ/AWQ/HQQ buffers, torchao tensor subclasses) is scored from its input x and output
+gradient g instead: ∇W = Σ_tokens g xᵀ, whose squared norm is also Σ (g gᵀ) ⊙ (x xᵀ), the cheaper form when there
+are fewer tokens than features. With ``linear_grad="activations"`` no parameter gradient is formed at all (sharded
+models): linears by x and g, every other parameter by a local re-run of its module (``watch_module``).
+
+Scoring runs in train mode with dropout off: with dropout the score would be a random sample, not the Fisher.
 """
 
 from __future__ import annotations
