@@ -267,13 +267,14 @@ class LayerProbe:
     backward); hooks on the layer itself stay outside the checkpoint.
     """
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, device_type: str = "cpu") -> None:
         self.calls: list[tuple[bool, torch.dtype | None]] = []
+        self.device_type = device_type
         module.register_forward_pre_hook(self.record)
 
     def record(self, module, args) -> None:
-        autocast = torch.is_autocast_enabled("cpu")
-        self.calls.append((autocast, torch.get_autocast_dtype("cpu") if autocast else None))
+        autocast = torch.is_autocast_enabled(self.device_type)
+        self.calls.append((autocast, torch.get_autocast_dtype(self.device_type) if autocast else None))
 
     def take(self) -> list[tuple[bool, torch.dtype | None]]:
         calls, self.calls = self.calls, []
@@ -299,6 +300,31 @@ def test_scoring_runs_with_the_checkpointing_and_autocast_of_a_training_step(tmp
     assert len(scoring) == 3 * runs_per_batch and len(training) == 2 * runs_per_batch
     expected = (True, torch.bfloat16) if bf16 else (False, None)
     assert set(scoring) == set(training) == {expected}
+
+
+# The `gpu` marker: register it in pyproject's [tool.pytest.ini_options] markers (see the H4 report).
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_on_cuda_scoring_runs_with_the_checkpointing_and_autocast_of_a_training_step(tmp_path, precision, dtype):
+    model = tiny_llama(LAYERS, vocab_size=VOCAB)
+    probe = LayerProbe(model.model.layers[0].mlp, device_type="cuda")
+    trainer = FoRASFTTrainer(
+        model,
+        sft_args(tmp_path, use_cpu=False, gradient_checkpointing=True, max_steps=2, **{precision: True}),
+        train_dataset=sums_dataset(),
+        processing_class=char_tokenizer(),
+        peft_config=lora_config(),
+        fora_config=FoRAConfig(fisher_batches=3),
+    )
+    scoring = probe.take()
+    trainer.train()
+    training = probe.take()
+    assert len(scoring) == 3 * 2 and len(training) == 2 * 2  # forward + recompute per batch
+    assert set(scoring) == set(training) == {(True, dtype)}
+    scores = trainer.fora_selection.scores
+    assert all(s > 0 for s in scores.scores)
+    assert scores.extra.get("loss_scale") == (2.0**16 if precision == "fp16" else None)
 
 
 def test_fp16_scores_are_loss_scaled_to_the_fp32_scores(tmp_path):
