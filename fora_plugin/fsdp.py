@@ -13,16 +13,19 @@ parameters; its moments are DTensors with the parameter's placements). So:
   that every rank adapts the same layers.
 - checkpoints: accelerate saves the optimizer's sharded state dict through ``torch.distributed.checkpoint`` (the
   Cayley moments are DTensors, the step counts replicated scalars) and loads it with its ``DefaultLoadPlanner``:
-  the Cayley state saves and resumes with the rest. The adapter saved with ``FULL_STATE_DICT`` is plain PEFT LoRA.
+  the Cayley state saves and resumes with the rest. When training ends the state dict type becomes
+  ``FULL_STATE_DICT``, so the adapter ``save_model`` writes is whole: plain PEFT LoRA.
 - Fisher scoring runs before sharding (the trainer's ``__init__``), on the model each rank holds, each rank on its
   own batches; the per-layer sums are all-reduced, so every rank chooses the same layers. A model already sharded is
   scored with ``fisher_scores(..., linear_grad="activations")``: linears from their inputs and output gradients,
   norms by a local re-run, so no base-weight gradient is formed and nothing is gathered but what the forward gathers.
 - FSDP-QLoRA: a 4-bit base whose ``bnb_4bit_quant_storage`` is a float dtype is sharded like any weight.
+- FoRA's logs read whole matrices: :func:`gathered_adapters` gathers the LoRA weights for them.
 
-Refused (:func:`check_fsdp`, :func:`prepare_fsdp2`): FSDP1 (its flat parameters mix rows of several matrices), a
-4-bit base with the default integer storage, and scoring a model whose weights are not loaded on every rank
-(``cpu_ram_efficient_loading``).
+Refused, each with the setting and the fix: FSDP1 (its flat parameters cut across matrices), a 4-bit base with the
+default integer storage, scoring weights that are not loaded on every rank (``cpu_ram_efficient_loading``), an
+optimizer left on the unsharded parameters, trainable parameters partly unsharded, a ``lora_B`` not sharded by rows
+of a 1-D mesh, and ranks that chose different layers.
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ except ImportError:  # torch without distributed tensors: nothing can be sharded
 __all__ = [
     "FSDP2Callback",
     "check_fsdp",
-    "check_sharded_training",
     "check_same_selection",
+    "check_sharded_training",
+    "check_weights_on_every_rank",
     "fsdp_setting",
     "gathered_adapters",
     "prepare_fsdp2",
@@ -79,7 +83,8 @@ def fsdp_setting(args: Any) -> tuple[int, str] | None:
 
 
 def check_fsdp(args: Any, fora: FoRAConfig) -> int | None:
-    """Refuse FSDP1 up front; the FSDP version the run uses (2, or None without FSDP).
+    """Refuse FSDP1, and loading the weights on one rank only when the layers are scored; the FSDP version the run
+    uses (2, or None without FSDP).
 
     FSDP1 flattens the parameters of a wrapped module into one 1-D vector per rank, whose slices cut across matrices:
     no per-matrix Cayley step can run on them. FSDP2 keeps every parameter a matrix sharded by rows.
@@ -95,7 +100,32 @@ def check_fsdp(args: Any, fora: FoRAConfig) -> int | None:
             '{"version": 2}, or fsdp_version: 2 in the accelerate config: example_configs/accelerate/'
             "fsdp2_8gpu.yaml), DeepSpeed ZeRO-1/2, or mode='lora'."
         )
+    if args.fsdp:
+        name = "fsdp_config.cpu_ram_efficient_loading"
+        loading = (args.fsdp_config or {}).get("cpu_ram_efficient_loading")
+    else:
+        name = "FSDP_CPU_RAM_EFFICIENT_LOADING"
+        loading = os.environ.get(name)
+    check_weights_on_every_rank(loading, fora, name)
     return version
+
+
+def _scores_here(fora: FoRAConfig) -> bool:
+    """Whether the trainer Fisher-scores the layers (not given them, or their scores)."""
+    return fora.selects_layers and fora.layers is None and fora.scores_path is None and fora.layer_strategy == "fisher"
+
+
+def check_weights_on_every_rank(cpu_ram_efficient_loading: Any, fora: FoRAConfig, name: str) -> None:
+    """Refuse, before loading, an FSDP setting that loads the weights on the first rank only when FoRA is to score
+    the layers: the scoring runs on every rank before sharding."""
+    if isinstance(cpu_ram_efficient_loading, str):
+        cpu_ram_efficient_loading = bool(strtobool(cpu_ram_efficient_loading))
+    if cpu_ram_efficient_loading and fora.mode != "lora" and _scores_here(fora):
+        raise ValueError(
+            f"{name}={cpu_ram_efficient_loading!r} loads the weights on the first rank only, but FoRA scores the "
+            "layers on every rank before FSDP2 shards the model. Set it false, or choose the layers without scoring "
+            "here: fora_layers, or fora_scores_path from a `fora score` run."
+        )
 
 
 def prepare_fsdp2(trainer: Trainer, fora: FoRAConfig) -> None:
@@ -110,8 +140,7 @@ def prepare_fsdp2(trainer: Trainer, fora: FoRAConfig) -> None:
         return
     model = trainer.model
     _check_quant_storage(model)
-    scores_here = fora.selects_layers and fora.layers is None and fora.scores_path is None
-    if not scores_here or fora.layer_strategy != "fisher":
+    if not _scores_here(fora):
         trainer.add_callback(FSDP2Callback(trainer))
         return
     meta = next((n for n, p in model.named_parameters() if p.is_meta), None)

@@ -227,6 +227,11 @@ def test_fsdp1_is_refused_and_fsdp2_is_taken(monkeypatch):
     assert check_fsdp(SimpleNamespace(fsdp=True, fsdp_config={"version": 2}), FORA) == 2
     assert check_fsdp(SimpleNamespace(fsdp=True, fsdp_config={"version": 1}), FoRAConfig(mode="lora")) == 1
     assert check_fsdp(SimpleNamespace(fsdp=False, fsdp_config=None), FORA) is None
+    # Scoring runs on every rank before sharding: the weights must be loaded on every rank.
+    one_rank_loading = SimpleNamespace(fsdp=True, fsdp_config={"version": 2, "cpu_ram_efficient_loading": "true"})
+    with pytest.raises(ValueError, match=r"cpu_ram_efficient_loading=True loads the weights on the first rank only"):
+        check_fsdp(one_rank_loading, FORA)
+    assert check_fsdp(one_rank_loading, FoRAConfig(layers=[0])) == 2  # nothing to score
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ValueError, match=r"ACCELERATE_USE_FSDP=true \(FSDP1, from `accelerate launch`"):
