@@ -367,7 +367,6 @@ class Zero3FoRAOptimizer(AdamW):
         self.stiefel = CayleyAdam(cayley_groups)
         self.max_grad_norm = float(max_grad_norm)
         self.steps = 0
-        self.last_grad_norm: float | None = None
         self.bytes_gathered = 0  # what this rank received in the Stiefel all-gathers, for the cost figures
 
     @staticmethod
@@ -383,6 +382,13 @@ class Zero3FoRAOptimizer(AdamW):
     def stiefel_parameters(self) -> list[torch.Tensor]:
         """The full fp32 ``lora_B`` (every rank holds them all), as of the last step."""
         return [p for group in self.stiefel.param_groups for p in group["params"]]
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """DeepSpeed's norm over every group (lora_A and lora_B) of the last step; inf for a step it skipped."""
+        zero = getattr(next(iter(self._full)), "_z3_optimizer", None)
+        norm = getattr(zero, "_global_grad_norm", None)
+        return None if norm is None else float(norm)
 
     def stiefel_points(self) -> dict[torch.Tensor, torch.Tensor]:
         """The module's ``lora_B`` parameters -> their full fp32 values (the points on the manifold, as of the last
@@ -479,7 +485,6 @@ class Zero3FoRAOptimizer(AdamW):
             flat.data[offset : offset + valid].copy_(new[start : start + valid])
             offset += size
         self.steps += 1
-        self.last_grad_norm = float(zero._global_grad_norm)
 
     def stiefel_state_dict(self) -> dict[str, Any]:
         """The Cayley-Adam state (moments, step counts), the same on every rank."""

@@ -194,6 +194,8 @@ def test_zero3_nan_step_is_skipped_on_every_rank(zero3_runs, variant):
     assert rank0["applied"] == rank1["applied"] == expected
     assert rank0["client_steps"] == rank1["client_steps"] == zero_engine.STEPS - 1
     assert math.isnan(rank0["losses"][zero3_engine.NAN_STEP])
+    # The logged norm of the skipped step says so (not the last applied step's).
+    assert rank0["grad_norms"][zero3_engine.NAN_STEP] == math.inf
 
 
 @pytest.mark.slow

@@ -100,7 +100,7 @@ def train_deepspeed(bf16: bool) -> dict:
             total += loss.detach().float() / (GAS * WORLD)
         dist.all_reduce(total)
         losses.append(total.item())
-        grad_norms.append(float(engine.optimizer._global_grad_norm))
+        grad_norms.append(optimizer.last_grad_norm)  # DeepSpeed's, over every group
         applied.append(engine.was_step_applied())
     uneven = next(p for n, p in engine.module.named_parameters() if f"{UNEVEN}.lora_B" in n)
     return {
