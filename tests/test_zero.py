@@ -67,20 +67,23 @@ def single_process():
     return zero_engine.train_single_process()
 
 
-@pytest.fixture(scope="module")
-def tolerance(single_process):
-    """5x the float noise of the single-process run itself: the same run with its micro-batch gradients summed in
-    another order (all-reduce and ZeRO's buckets change the order, and Adam's normalisation magnifies the
-    rounding of near-zero gradient entries)."""
-    reference, _ = single_process
+def noise_tolerance(reference: dict[str, torch.Tensor], **kwargs) -> float:
+    """5x the float noise of a single-process run (``zero_engine.train_single_process(**kwargs)``) itself: the same
+    run with its micro-batch gradients summed in another order (all-reduce and ZeRO's buckets change the order, and
+    Adam's normalisation magnifies the rounding of near-zero gradient entries)."""
     original = zero_engine.micro_batch
     try:
         zero_engine.micro_batch = lambda b, r, m: original(b, zero_engine.WORLD - 1 - r, zero_engine.GAS - 1 - m)
-        reordered, _ = zero_engine.train_single_process()
+        reordered, _ = zero_engine.train_single_process(**kwargs)
     finally:
         zero_engine.micro_batch = original
     noise = max((reference[k] - reordered[k]).abs().max().item() for k in reference)
     return 5 * max(noise, 1e-6)
+
+
+@pytest.fixture(scope="module")
+def tolerance(single_process):
+    return noise_tolerance(single_process[0])
 
 
 @pytest.mark.slow
@@ -150,18 +153,11 @@ def zero3_runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zero3_reference():
-    """The single-process run of the same global batches, skipping the step whose gradients were NaN, and its own
-    float noise (the same run with the micro-batch gradients summed in another order, as in ``tolerance``)."""
-    skip = {zero3_engine.NAN_STEP}
-    reference, losses = zero_engine.train_single_process(zero3_engine.build_model, skip_steps=skip)
-    original = zero_engine.micro_batch
-    try:
-        zero_engine.micro_batch = lambda b, r, m: original(b, zero_engine.WORLD - 1 - r, zero_engine.GAS - 1 - m)
-        reordered, _ = zero_engine.train_single_process(zero3_engine.build_model, skip_steps=skip)
-    finally:
-        zero_engine.micro_batch = original
-    noise = max((reference[k] - reordered[k]).abs().max().item() for k in reference)
-    return reference, losses, 5 * max(noise, 1e-6)
+    """The single-process run of the same global batches, skipping the step whose gradients were NaN, and the
+    tolerance its own float noise gives."""
+    run = dict(build=zero3_engine.build_model, skip_steps={zero3_engine.NAN_STEP})
+    reference, losses = zero_engine.train_single_process(**run)
+    return reference, losses, noise_tolerance(reference, **run)
 
 
 @pytest.mark.slow
