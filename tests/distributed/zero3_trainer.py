@@ -25,8 +25,10 @@ import torch.distributed as dist
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import char_tokenizer, tiny_llama  # noqa: E402
-from test_trainer import LAYERS, VOCAB, lora_config, sft_args, sums_dataset  # noqa: E402
+from test_trainer import LAYERS, VOCAB, lora_config, sums_dataset  # noqa: E402
+from zero_trainer import SAVE_AT, deepspeed_args  # noqa: E402
 
 import fora_plugin.trainer as fora_trainer  # noqa: E402
 from fora_plugin import FoRAConfig, FoRASFTTrainer, zero  # noqa: E402
@@ -43,7 +45,6 @@ DEEPSPEED = {
     "gradient_clipping": "auto",
     "train_micro_batch_size_per_gpu": "auto",
 }
-STEPS, SAVE_AT = 6, 3
 NATIVE = hasattr(fora_trainer, "deepspeed_zero_stage")
 # The target linears, scored by their inputs and output gradients (norm weights: see test_zero's ZeRO-3 scoring).
 FORA = dict(fisher_batches=2, lr_stiefel=5e-2, fisher_params="targets")
@@ -82,16 +83,7 @@ def zero3_call_sites():
 def make_trainer(out: Path, model_dir: Path) -> FoRASFTTrainer:
     from transformers import AutoModelForCausalLM
 
-    args = sft_args(
-        out,
-        deepspeed=dict(DEEPSPEED),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=STEPS,
-        save_strategy="steps",
-        save_steps=SAVE_AT,
-        max_grad_norm=0.5,
-    )
+    args = deepspeed_args(out, DEEPSPEED)
     model = AutoModelForCausalLM.from_pretrained(model_dir)  # after the SFTConfig: zero.Init partitions it
     layers = [p for n, p in model.named_parameters() if ".layers." in n]
     assert layers and all(p.numel() == 0 for p in layers), "from_pretrained did not partition the model"

@@ -35,10 +35,11 @@ DEEPSPEED = {
 STEPS, SAVE_AT = 6, 3
 
 
-def make_trainer(out: Path, model: torch.nn.Module | None = None) -> FoRASFTTrainer:
-    args = sft_args(
+def deepspeed_args(out: Path, deepspeed: dict):
+    """The SFTConfig of these runs: STEPS steps of 2 x 2 micro-batches, a checkpoint at SAVE_AT, clipping at 0.5."""
+    return sft_args(
         out,
-        deepspeed=dict(DEEPSPEED),
+        deepspeed=dict(deepspeed),
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
         max_steps=STEPS,
@@ -46,6 +47,10 @@ def make_trainer(out: Path, model: torch.nn.Module | None = None) -> FoRASFTTrai
         save_steps=SAVE_AT,
         max_grad_norm=0.5,
     )
+
+
+def make_trainer(out: Path, model: torch.nn.Module | None = None) -> FoRASFTTrainer:
+    args = deepspeed_args(out, DEEPSPEED)
     return FoRASFTTrainer(
         model if model is not None else tiny_llama(LAYERS, vocab_size=VOCAB),
         args,
