@@ -328,9 +328,8 @@ def _cayley_adam_group_step(
             raise TypeError("CayleyAdam does not support sparse gradients.")
         if not state[p]:
             _init_state(state[p], p, num_experts)
-        for key in ("reprojections",):  # a state saved before the counter existed
-            if key not in state[p]:
-                state[p][key] = torch.zeros_like(state[p]["skipped_steps"])
+        if "reprojections" not in state[p]:  # a state saved before the counter existed
+            state[p]["reprojections"] = torch.zeros_like(state[p]["skipped_steps"])
         layout = (id(p.device_mesh), tuple(p.placements)) if DTensor is not None and isinstance(p, DTensor) else None
         buckets[(tuple(p.shape), p.device, _compute_dtype(p), layout)].append((p, _local_gradient(p, grad)))
     for members in buckets.values():

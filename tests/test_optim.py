@@ -157,6 +157,28 @@ def test_state_dict_round_trip_continues_bit_identically(solver):
         assert torch.equal(p, q)
 
 
+def test_a_state_saved_before_experts_and_reprojections_existed_still_resumes():
+    params = stiefel_params([(16, 2)], seed=23)
+    opt = CayleyAdam(params, lr=0.02)
+    gen = torch.Generator().manual_seed(24)
+    set_random_grads(params, gen)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    for group in saved["param_groups"]:
+        del group["num_experts"], group["reproject_threshold"]
+    for state in saved["state"].values():
+        del state["reprojections"]
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = CayleyAdam(resumed_params, lr=0.02)
+    resumed.load_state_dict(saved)
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    for p, q, g in zip(params, resumed_params, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    opt.step()
+    resumed.step()
+    assert torch.equal(params[0], resumed_params[0]) and resumed.reprojections() == 0
+
+
 def test_non_finite_gradient_skips_only_that_matrix_and_is_counted():
     params = stiefel_params([(30, 3), (30, 3), (30, 3)], seed=11)
     opt = CayleyAdam(params, lr=0.05)
