@@ -163,10 +163,19 @@ def merged_delta_weight(module: LoraLayer, adapter: str) -> torch.Tensor:
     return merged.get_base_layer().weight - base.double()
 
 
+def merged_effective_rank(module: LoraLayer, adapter: str) -> float:
+    """Entropy effective rank of the merged ΔW (merged − base weight) of one LoRA linear."""
+    if not module.use_dora.get(adapter, False):
+        # PEFT merges exactly scaling · B A here: its spectrum from the r x r factor, without the dense matrix.
+        a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+        return effective_rank(module.scaling[adapter] * delta_w_singular_values(a, b))
+    return effective_rank(torch.linalg.svdvals(merged_delta_weight(module, adapter)))
+
+
 def merged_mean_effective_rank(model: nn.Module) -> float:
     """Mean entropy effective rank of the merged ΔW over every LoRA linear and adapter of a PEFT model."""
     ranks = [
-        effective_rank(torch.linalg.svdvals(merged_delta_weight(module, adapter)))
+        merged_effective_rank(module, adapter)
         for module in model.modules()
         if isinstance(module, LoraLayer) and isinstance(module, nn.Module)
         for adapter in module.lora_A
