@@ -1,6 +1,6 @@
 """FoRA: Fisher-orthogonal Rank Adaptation as a plugin for PEFT, TRL and Axolotl."""
 
-from . import stiefel
+from . import _quiet, stiefel  # noqa: F401  (_quiet first: bitsandbytes logs while PEFT imports it)
 from .adapter import make_stiefel, stiefel_num_experts, stiefel_parameters
 from .config import FoRAConfig
 from .fisher import FisherScores, fisher_scores

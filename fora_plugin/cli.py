@@ -18,6 +18,7 @@ import time
 import warnings
 from pathlib import Path
 
+from ._quiet import drop
 from .recipe import build_trainer, parse_config
 
 
@@ -26,11 +27,7 @@ __all__ = ["build_parser", "build_trainer", "main", "parse_config"]
 logger = logging.getLogger("fora_plugin")
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
-# Third-party messages every run would print although they concern nothing the user set: bitsandbytes' optional
-# CPU kernel package (`kernels`), which FoRA does not need, and PEFT reading transformers' deprecated
-# `is_gradient_checkpointing` property. Each is silenced by its exact text on its own logger/category only.
-_BNB_KERNEL_LOGGER = "bitsandbytes.backends.cpu.ops"
-_BNB_KERNEL_MESSAGE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+# PEFT reads transformers' deprecated `is_gradient_checkpointing` property: silenced by its exact text and category.
 _PEFT_DEPRECATION = r"`is_gradient_checkpointing` is deprecated"
 # DeepSpeed's guess of the accelerator, logged whenever anything imports it. Only a launched process can be a DeepSpeed
 # run (the recipe refuses one without a launcher), so in a single process the guess concerns nothing that runs.
@@ -38,30 +35,13 @@ _DEEPSPEED_LOGGER = "DeepSpeed"
 _DEEPSPEED_ACCELERATOR_MESSAGE = "Setting accelerator to CPU"
 
 
-class _DropMessage(logging.Filter):
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
-
-
-def _drop(logger_name: str, prefix: str) -> None:
-    target = logging.getLogger(logger_name)
-    if not any(isinstance(f, _DropMessage) and f.prefix == prefix for f in target.filters):
-        target.addFilter(_DropMessage(prefix))
-
-
 def quiet_third_party_noise() -> None:
     """Silence the known third-party messages above by their exact text; other messages of those loggers still show.
 
-    bitsandbytes logs its message while PEFT imports it, which ``import fora_plugin`` already did by the time this
-    runs: its filter only catches a later import here, the package has to install it before its own imports.
+    (bitsandbytes' kernel message is dropped by :mod:`fora_plugin._quiet`, which the package imports first.)
     """
-    _drop(_BNB_KERNEL_LOGGER, _BNB_KERNEL_MESSAGE)
     if "RANK" not in os.environ:
-        _drop(_DEEPSPEED_LOGGER, _DEEPSPEED_ACCELERATOR_MESSAGE)
+        drop(_DEEPSPEED_LOGGER, _DEEPSPEED_ACCELERATOR_MESSAGE)
     warnings.filterwarnings("ignore", message=_PEFT_DEPRECATION, category=FutureWarning)
 
 
