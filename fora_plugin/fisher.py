@@ -253,11 +253,17 @@ class _LayerAccumulator:
                 self._pending.append((index, pending))
 
             def vector_jacobian(position: int, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-                with torch.enable_grad(), torch.autocast(device_type, dtype=autocast[1], enabled=autocast[0]):
-                    copies = {n: getattr(module, n).detach().requires_grad_(True) for n in names}
+                # ZeRO-3 partitions the module's own parameters outside its forward: gather them for the replay,
+                # and call forward, not the module's __call__, whose ZeRO-3 hooks expect ZeRO parameters.
+                # (_reparametrize_module is what torch.func.functional_call runs around __call__.)
+                own = [getattr(module, n) for n in names]
+                autocast_ctx = torch.autocast(device_type, dtype=autocast[1], enabled=autocast[0])
+                with _zero3_gathered(own), torch.enable_grad(), autocast_ctx:
+                    copies = {n: p.detach().requires_grad_(True) for n, p in zip(names, own)}
                     self._replaying = True
                     try:
-                        replay = torch.func.functional_call(module, copies, saved_args, saved_kwargs)
+                        with torch.nn.utils.stateless._reparametrize_module(module, copies):
+                            replay = module.forward(*saved_args, **saved_kwargs)
                     finally:
                         self._replaying = False
                     return torch.autograd.grad(_tensors(replay)[position], list(copies.values()), g, allow_unused=True)
@@ -539,3 +545,12 @@ def _output_requires_grad(module: nn.Module):
         yield
     finally:
         handle.remove()
+
+
+def _zero3_gathered(params: list[torch.Tensor]) -> contextlib.AbstractContextManager:
+    """DeepSpeed ZeRO-3 parameters gathered whole for the duration (a collective); other parameters as they are."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([p for p in params if hasattr(p, "ds_id")])
