@@ -4,7 +4,9 @@
 
 Gemma-3-270M (the quickstart model), 1,102 two-choice rows (example_configs/data/commonsense_mix_train.json), LoRA
 r 16 on the paper's five projections, batch 2, max_length 160, gradient checkpointing on, the same data order in
-every run. Each run is a fresh subprocess:
+every run: longest rows first, so that the scoring batches and the first training steps are full 160-token batches,
+where the peak is (over the file's own order the peak comes at whichever later step meets the longest rows; that is
+why a couple of steps suffice). Each run is a fresh subprocess:
 
 - ``fora``: Fisher scoring (in the trainer's ``__init__``), then training on the chosen layers;
 - ``fora, layers given``: the same layers given explicitly (``fora_layers``), so nothing is scored: training alone;
@@ -86,8 +88,12 @@ def worker(run: str, steps: int, fisher_batches: int, layers: str | None, result
             rss.end("training")
 
     with tempfile.TemporaryDirectory() as out:
+        rows = json.loads(DATA.read_text())
+        rows.sort(key=lambda row: -len(row["instruction"] + row["input"] + row["output"]))  # stable: ties keep order
+        data = Path(out) / "longest_first.json"
+        data.write_text(json.dumps(rows))
         overrides = [
-            "--dataset_name", str(DATA),
+            "--dataset_name", str(data),
             "--output_dir", out,
             "--gradient_checkpointing", "true",
             "--max_steps", str(steps),
