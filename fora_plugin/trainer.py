@@ -22,6 +22,7 @@ that ``Trainer.train`` switches on, and, under fp16, a loss scale so that small 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -42,7 +43,8 @@ from trl import SFTTrainer
 
 from .config import FoRAConfig
 from .fisher import FisherScores, fisher_scores
-from .optim import FoRAOptimizer, build_fora_optimizer
+from .monitor import DivergenceMonitor
+from .optim import FoRAOptimizer, build_fora_optimizer, check_lr_scheduler_type
 from .wiring import (
     SCORES_FILE,
     SCORES_PLOT,
@@ -57,10 +59,14 @@ from .wiring import (
 )
 from .zero import (
     STIEFEL_STATE_FILE,
+    Zero3FoRAOptimizer,
     ZeroFoRAOptimizer,
+    build_zero3_fora_optimizer,
     build_zero_fora_optimizer,
     check_deepspeed_config,
+    deepspeed_zero_stage,
     find_zero_client,
+    zero3_scoring_engine,
 )
 
 
@@ -107,10 +113,22 @@ def score_on_trainer(
     lowered if a gradient overflows (non-finite scores), as GradScaler would.
     """
     targets = _target_names(peft_config) if fora.fisher_params == "targets" else None
+    # Fused MoE experts that LoRA reaches through target_parameters count in a "targets" score too.
+    target_parameters = None
+    if fora.fisher_params == "targets" and peft_config is not None:
+        target_parameters = list(peft_config.target_parameters or [])
     saved = {name: copy.deepcopy(getattr(trainer, name)) for name in _LOSS_SIDE_EFFECTS if hasattr(trainer, name)}
     scales = _FP16_LOSS_SCALES if _uses_fp16(trainer, model) else (1.0,)
+    zero3 = deepspeed_zero_stage(trainer) == 3
+    stack = contextlib.ExitStack()
     try:
         checkpoint_as_in_training(trainer)
+        if zero3:
+            # zero.Init partitioned the weights: ZeRO-3's hooks gather them around each module, and the linears are
+            # scored from their inputs and output gradients, so no weight gradient is formed.
+            stack.enter_context(
+                zero3_scoring_engine(model, trainer.accelerator.state.deepspeed_plugin.deepspeed_config)
+            )
         for scale in scales:
 
             def loss_fn(model: nn.Module, batch: dict, scale: float = scale) -> torch.Tensor:
@@ -123,6 +141,8 @@ def score_on_trainer(
                 loss_fn=loss_fn,
                 fisher_params=fora.fisher_params,
                 target_modules=targets,
+                target_parameters=target_parameters,
+                linear_grad="activations" if zero3 else "auto",
                 # The mixed-precision autocast accelerate's prepare_model puts around every training forward
                 # (compute_loss_context_manager is a null context in transformers 5).
                 autocast=trainer.accelerator.autocast,
@@ -131,6 +151,7 @@ def score_on_trainer(
             if all(math.isfinite(s) for s in scores.scores):
                 break
     finally:
+        stack.close()
         # Scoring batches are not training.
         for name, value in saved.items():
             setattr(trainer, name, value)
@@ -178,7 +199,9 @@ def _uses_fp16(trainer: Trainer, model: nn.Module) -> bool:
     return bool(trainer.args.fp16) or any(p.dtype == torch.float16 for p in model.parameters())
 
 
-def fora_optimizer(trainer: Trainer, model: nn.Module, fora: FoRAConfig) -> FoRAOptimizer | ZeroFoRAOptimizer:
+def fora_optimizer(
+    trainer: Trainer, model: nn.Module, fora: FoRAConfig
+) -> FoRAOptimizer | ZeroFoRAOptimizer | Zero3FoRAOptimizer:
     """The FoRA optimizer for ``model`` under ``trainer``'s arguments (lr, weight decay, betas, eps, decay rule).
 
     Under DeepSpeed the Stiefel modes get the ZeRO client optimizer, which clips lora_A and lora_B by one norm at
@@ -187,7 +210,9 @@ def fora_optimizer(trainer: Trainer, model: nn.Module, fora: FoRAConfig) -> FoRA
     """
     args = trainer.args
     build = build_fora_optimizer
-    if trainer.is_deepspeed_enabled and fora.uses_stiefel:
+    if deepspeed_zero_stage(trainer) == 3 and fora.uses_stiefel:
+        build = functools.partial(build_zero3_fora_optimizer, max_grad_norm=args.max_grad_norm)
+    elif trainer.is_deepspeed_enabled and fora.uses_stiefel:
         build = functools.partial(
             build_zero_fora_optimizer, max_grad_norm=args.max_grad_norm, sync_period=fora.qr_period
         )
@@ -319,6 +344,7 @@ class FoRASFTTrainer(SFTTrainer):
         _check_lora_config(peft_config, fora_config)
         if args is not None:
             check_fsdp(args, fora_config)
+            check_lr_scheduler_type(args.lr_scheduler_type)
         if kwargs.get("optimizers", (None, None))[0] is not None:
             raise ValueError(
                 "FoRASFTTrainer builds its own optimizer (AdamW for lora_A, Cayley-Adam for lora_B): "
@@ -347,6 +373,7 @@ class FoRASFTTrainer(SFTTrainer):
         self.fora_selection = selection
         self._fora_logs = FoRALogs(selection)
         self.add_callback(SaveSelectionCallback(selection))
+        self.add_callback(DivergenceMonitor())
         if self.is_world_process_zero():
             write_selection(selection, self.args.output_dir)
 
@@ -377,7 +404,8 @@ class FoRASFTTrainer(SFTTrainer):
                 raise ValueError(
                     f"Checkpoint {checkpoint} was trained with LoRA on layers {saved['chosen_layers']}, but this "
                     f"trainer adapts layers {self.fora_selection.chosen}. Build the trainer with "
-                    f"args.resume_from_checkpoint={str(checkpoint)!r} so it reuses the checkpoint's selection."
+                    f"args.resume_from_checkpoint={str(checkpoint)!r} so it reuses the checkpoint's selection, and "
+                    "leave FoRAConfig.layers unset (or equal to those layers)."
                 )
         # The resolved folder: Trainer.train reads a string such as "true" (from the command line) as a path.
         return super().train(checkpoint, *args, **kwargs)

@@ -34,7 +34,7 @@ from .fisher import FisherScores, find_decoder_layers, is_linear_like
 from .plots import plot_fisher_scores
 from .selection import check_layer_indices, resolve_layer_budget, select_layers
 from .stiefel import orthogonality_error
-from .zero import find_zero_client
+from .zero import Zero3FoRAOptimizer, find_zero_client, gathered_trainable_parameters
 
 
 logger = logging.getLogger(__name__)
@@ -400,10 +400,15 @@ class FoRALogs:
 
     def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
         client = find_zero_client(optimizer)
-        logs = {
-            "fora/max_orthogonality_error": _max_drift(model, client.stiefel if client is not None else optimizer),
-            "fora/mean_effective_rank": mean_effective_rank(model),
-        }
+        # Under ZeRO-3 the adapters are partitioned between forwards, and the fp32 lora_B live in the client.
+        points = client.stiefel_points() if isinstance(client, Zero3FoRAOptimizer) else {}
+        with gathered_trainable_parameters(model):
+            logs = {
+                "fora/max_orthogonality_error": _max_drift(
+                    model, client.stiefel if client is not None else optimizer, points
+                ),
+                "fora/mean_effective_rank": mean_effective_rank(model),
+            }
         if client is not None and client.last_grad_norm is not None:
             # DeepSpeed reports the norm of the partitioned lora_A gradients only; FoRA clipped by this one.
             logs["grad_norm"] = client.last_grad_norm
@@ -417,14 +422,16 @@ class FoRALogs:
         return logs
 
 
-def _max_drift(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> float:
+def _max_drift(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, points: dict[torch.Tensor, torch.Tensor] | None = None
+) -> float:
     # A bf16 lora_B is its fp32 master rounded; the master is the point on the manifold.
     # A lora_B of E fused experts is E Stiefel matrices: each block's own drift.
     state = optimizer.state if optimizer is not None else {}
     experts = stiefel_num_experts(model)
     drifts = []
     for _, p in stiefel_parameters(model):
-        b = state.get(p, {}).get("master", p).detach().float()  # (d_out, r·E)
+        b = (points or {}).get(p, state.get(p, {}).get("master", p)).detach().float()  # (d_out, r·E)
         if id(p) in experts:
             b = expert_blocks(b, experts[id(p)])  # (E, d_out, r)
         drifts.append(orthogonality_error(b).max().item())

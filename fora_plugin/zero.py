@@ -583,14 +583,11 @@ def load_deepspeed_config(deepspeed: str | Path | Mapping[str, Any]) -> dict[str
     return json.loads(path.read_text())
 
 
-def check_deepspeed_config(
-    ds: Mapping[str, Any], fora: FoRAConfig, name: str = "deepspeed", *, zero3: bool = False
-) -> None:
+def check_deepspeed_config(ds: Mapping[str, Any], fora: FoRAConfig, name: str = "deepspeed") -> None:
     """Refuse the DeepSpeed settings under which FoRA would silently become something else.
 
     ``name`` is how the caller's config spells the DeepSpeed setting, for the messages. ``mode="lora"`` is plain
-    LoRA and accepts anything DeepSpeed does. ``zero3``: the caller sets FoRA up for ZeRO-3 (scoring inside
-    :func:`zero3_scoring_engine`, the :class:`Zero3FoRAOptimizer` client); without it ZeRO-3 is refused.
+    LoRA and accepts anything DeepSpeed does.
     """
     if fora.mode == "lora":
         return
@@ -598,12 +595,6 @@ def check_deepspeed_config(
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"{name} has zero_optimization.stage={stage!r}: use 1, 2 or 3 with FoRA (0-3 exist).")
-    if stage == 3 and not zero3:
-        raise ValueError(
-            f"{name} is ZeRO-3 (zero_optimization.stage=3): it shards the weights, and this entry point does not set "
-            "FoRA up for it (Fisher scoring inside zero3_scoring_engine, the Zero3FoRAOptimizer client). Use ZeRO-2 "
-            "(example_configs/deepspeed/zero2.json), or mode 'lora'."
-        )
     if not fora.uses_stiefel:
         return  # fg-lora is LoRA with AdamW on the chosen layers: DeepSpeed's ZeRO as it is.
     if stage == 0:

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import logging
 import subprocess
 import sys
 
@@ -406,3 +407,19 @@ def test_the_stiefel_betas_and_eps_reach_the_cayley_adam_group(tmp_path):
     (stiefel,) = [g for g in optimizer.param_groups if g.get("stiefel")]
     assert (stiefel["betas"], stiefel["eps"]) == ((0.8, 0.95), 1e-6)
     assert all((g["betas"], g["eps"]) == ((0.7, 0.999), 1e-7) for g in optimizer.param_groups if not g.get("stiefel"))
+
+
+def test_a_diverging_run_warns_once_with_the_step_and_the_fix(tmp_path, caplog):
+    # lora_A at lr 1e6 without clipping blows the loss up within a few steps; FoRA's own logs must not crash on the NaN weights.
+    trainer = make_trainer(tmp_path, FoRAConfig(fisher_batches=2, layers=[1, 3]), learning_rate=1e6, max_grad_norm=0.0, max_steps=6)
+    with caplog.at_level(logging.WARNING, logger="fora_plugin.monitor"):
+        trainer.train()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fora_plugin.monitor"]
+    assert warnings, "the diverging run was silent"
+    assert any("step" in w and "learning_rate" in w for w in warnings), warnings
+    assert len(warnings) == len(set(warnings))  # once per kind, not once per log
+
+
+def test_a_scheduler_that_breaks_the_lr_ratio_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"lr_scheduler_type='greedy' cannot be used with FoRA"):
+        make_trainer(tmp_path, lr_scheduler_type="greedy", eval_strategy="steps", eval_steps=2)

@@ -34,6 +34,7 @@ from transformers import Trainer
 
 from ..config import PREFIX, FoRAConfig
 from ..models import resolve_model_path
+from ..monitor import DivergenceMonitor
 from ..trainer import check_checkpoint_files, fora_optimizer, prepare_deepspeed, score_on_trainer
 from ..wiring import (
     FoRALogs,
@@ -110,6 +111,7 @@ class FoRAPlugin(BasePlugin):
         if trainer.is_world_process_zero():
             write_selection(selection, trainer.args.output_dir)
         trainer.add_callback(SaveSelectionCallback(selection))
+        trainer.add_callback(DivergenceMonitor())
         _use_fora_optimizer(trainer, fora)
         _add_fora_logs(trainer, FoRALogs(selection))
 

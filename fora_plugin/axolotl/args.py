@@ -15,6 +15,7 @@ from axolotl.integrations.base import normalize_plugin_name
 from pydantic import BaseModel, Field, create_model, model_validator
 
 from ..config import PREFIX, FoRAConfig
+from ..optim import check_lr_scheduler_type
 from ..trainer import ADAMW_OPTIMS, check_init_lora_weights, check_learning_rate
 from ..zero import check_deepspeed_config, load_deepspeed_config
 
@@ -60,6 +61,8 @@ def _check_axolotl_settings(cfg: dict[str, Any], fora: FoRAConfig) -> None:
             "fora_mode: lora for Axolotl's own training."
         )
     check_learning_rate(cfg.get("learning_rate"))
+    if cfg.get("lr_scheduler") is not None:
+        check_lr_scheduler_type(cfg["lr_scheduler"])
     # Axolotl's LoRA config: loftq_config.loftq_bits sets init_lora_weights="loftq", else peft_init_lora_weights.
     peft = cfg.get("peft")
     loftq = getattr(peft, "loftq_config", None) if not isinstance(peft, Mapping) else peft.get("loftq_config")

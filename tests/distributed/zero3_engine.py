@@ -34,12 +34,9 @@ UNEVEN = "up_proj"
 NAN_STEP = 4
 VARIANTS = ("zero3", "zero3_bf16")
 SCORE_BATCHES, SCORE_SEQ = 6, 10
-# The linears of every decoder layer, scored from their inputs and output gradients. (Norm weights, scored by a
-# local recompute in fisher.py, do not run under ZeRO-3's module hooks yet: see the report.)
-SCORE_SCOPE = {
-    "fisher_params": "targets",
-    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-}
+# Whole decoder layers (the paper's definition): linears from their inputs and output gradients, norm weights by a
+# local replay of the module with its own parameters gathered.
+SCORE_SCOPE: dict = {}
 
 
 def build_model() -> torch.nn.Module:

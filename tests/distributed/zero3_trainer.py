@@ -6,17 +6,12 @@ SFTConfig exists, so ``zero.Init`` partitions its weights as it would a real mod
 :class:`~fora_plugin.zero.Zero3FoRAOptimizer` and saves a checkpoint at step 3 and the adapter at the end; a second
 trainer resumes from the checkpoint to step 6. Each rank writes its results to ``OUT_DIR/<run>-rank<k>.pt``.
 
-Until ``fora_plugin/trainer.py`` takes the ZeRO-3 path itself (``NATIVE``: it imports ``deepspeed_zero_stage``),
-:class:`Zero3Trainer` and :func:`zero3_call_sites` make the call-site changes proposed for it (ZeRO-3 accepted by the
-config check, scoring inside the scoring engine by activations, the ZeRO-3 client optimizer, logs read from gathered
-adapters); once it does, the plain FoRASFTTrainer runs. On a CPU-only host ``use_cpu=True``
-makes accelerate count the torchrun ranks; bf16 is refused on a CPU, so this runs in fp32.
+On a CPU-only host ``use_cpu=True`` makes accelerate count the torchrun ranks; bf16 is refused on a CPU, so this
+runs in fp32.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import sys
 from pathlib import Path
 
@@ -30,8 +25,7 @@ from conftest import char_tokenizer, tiny_llama  # noqa: E402
 from test_trainer import LAYERS, VOCAB, lora_config, sums_dataset  # noqa: E402
 from zero_trainer import SAVE_AT, deepspeed_args  # noqa: E402
 
-import fora_plugin.trainer as fora_trainer  # noqa: E402
-from fora_plugin import FoRAConfig, FoRASFTTrainer, zero  # noqa: E402
+from fora_plugin import FoRAConfig, FoRASFTTrainer  # noqa: E402
 
 
 DEEPSPEED = {
@@ -45,39 +39,8 @@ DEEPSPEED = {
     "gradient_clipping": "auto",
     "train_micro_batch_size_per_gpu": "auto",
 }
-NATIVE = hasattr(fora_trainer, "deepspeed_zero_stage")
-# The target linears, scored by their inputs and output gradients (norm weights: see test_zero's ZeRO-3 scoring).
-FORA = dict(fisher_batches=2, lr_stiefel=5e-2, fisher_params="targets")
-
-
-class Zero3Trainer(FoRASFTTrainer):
-    def fora_score(self, peft_config=None):
-        config = self.accelerator.state.deepspeed_plugin.deepspeed_config
-        with zero.zero3_scoring_engine(self.model, config):
-            return super().fora_score(peft_config)
-
-    def log(self, logs, start_time=None):
-        with zero.gathered_trainable_parameters(self.model):  # FoRA's logs read lora_A / lora_B
-            super().log(logs, start_time)
-
-
-@contextlib.contextmanager
-def zero3_call_sites():
-    patched = {
-        "check_deepspeed_config": functools.partial(zero.check_deepspeed_config, zero3=True),
-        "build_zero_fora_optimizer": lambda model, *a, sync_period=None, **kw: zero.build_zero3_fora_optimizer(
-            model, *a, **kw
-        ),
-        "fisher_scores": functools.partial(fora_trainer.fisher_scores, linear_grad="activations"),
-    }
-    saved = {name: getattr(fora_trainer, name) for name in patched}
-    for name, value in patched.items():
-        setattr(fora_trainer, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(fora_trainer, name, value)
+# Whole decoder layers: linears from their inputs and output gradients, norms by a local replay of the module.
+FORA = dict(fisher_batches=2, lr_stiefel=5e-2)
 
 
 def make_trainer(out: Path, model_dir: Path) -> FoRASFTTrainer:
@@ -87,7 +50,7 @@ def make_trainer(out: Path, model_dir: Path) -> FoRASFTTrainer:
     model = AutoModelForCausalLM.from_pretrained(model_dir)  # after the SFTConfig: zero.Init partitions it
     layers = [p for n, p in model.named_parameters() if ".layers." in n]
     assert layers and all(p.numel() == 0 for p in layers), "from_pretrained did not partition the model"
-    return (FoRASFTTrainer if NATIVE else Zero3Trainer)(
+    return FoRASFTTrainer(
         model,
         args,
         train_dataset=sums_dataset(),
@@ -116,31 +79,29 @@ def snapshot(trainer: FoRASFTTrainer, partitioned: bool) -> dict:
         "client": type(client).__name__,
         "client_steps": client.steps,
         "logs": [log for log in trainer.state.log_history if "loss" in log],
-        "native": NATIVE,
     }
 
 
 def main(out_dir: str) -> None:
     out = Path(out_dir)
     model_dir = out / "model"
-    with contextlib.nullcontext() if NATIVE else zero3_call_sites():
-        import deepspeed
+    import deepspeed
 
-        deepspeed.init_distributed()
-        rank = dist.get_rank()
-        if rank == 0:
-            tiny_llama(LAYERS, vocab_size=VOCAB).save_pretrained(model_dir)
-        dist.barrier()
-        full = make_trainer(out / "full", model_dir)
-        # The base stays partitioned through scoring (the scoring engine released what it gathered).
-        partitioned = all(p.numel() == 0 for n, p in full.model.named_parameters() if "base_layer" in n)
-        full.train()
-        full.save_model()  # the adapter: under ZeRO-3 HF gathers the 16-bit weights for it
-        torch.save(snapshot(full, partitioned), out / f"full-rank{rank}.pt")
-        checkpoint = out / "full" / "out" / f"checkpoint-{SAVE_AT}"
-        resumed = make_trainer(out / "full", model_dir)  # same output_dir: the checkpoint's selection is reused
-        resumed.train(resume_from_checkpoint=str(checkpoint))
-        torch.save(snapshot(resumed, True), out / f"resumed-rank{rank}.pt")
+    deepspeed.init_distributed()
+    rank = dist.get_rank()
+    if rank == 0:
+        tiny_llama(LAYERS, vocab_size=VOCAB).save_pretrained(model_dir)
+    dist.barrier()
+    full = make_trainer(out / "full", model_dir)
+    # The base stays partitioned through scoring (the scoring engine released what it gathered).
+    partitioned = all(p.numel() == 0 for n, p in full.model.named_parameters() if "base_layer" in n)
+    full.train()
+    full.save_model()  # the adapter: under ZeRO-3 HF gathers the 16-bit weights for it
+    torch.save(snapshot(full, partitioned), out / f"full-rank{rank}.pt")
+    checkpoint = out / "full" / "out" / f"checkpoint-{SAVE_AT}"
+    resumed = make_trainer(out / "full", model_dir)  # same output_dir: the checkpoint's selection is reused
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    torch.save(snapshot(resumed, True), out / f"resumed-rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
