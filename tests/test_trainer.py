@@ -282,13 +282,13 @@ class LayerProbe:
         return calls
 
 
-@pytest.mark.parametrize(("checkpointing", "bf16"), [(True, True), (False, False)])
-def test_scoring_runs_with_the_checkpointing_and_autocast_of_a_training_step(tmp_path, checkpointing, bf16):
-    model = tiny_llama(LAYERS, vocab_size=VOCAB)  # stored in fp32: bf16 comes from the autocast only
-    probe = LayerProbe(model.model.layers[0].mlp)
+def probe_scoring_and_training(tmp_path, device_type: str = "cpu", **sft_kwargs):
+    """(trainer, layer-0 MLP states while scoring 3 batches, the same while training 2 steps)."""
+    model = tiny_llama(LAYERS, vocab_size=VOCAB)  # stored in fp32: bf16/fp16 comes from the autocast only
+    probe = LayerProbe(model.model.layers[0].mlp, device_type=device_type)
     trainer = FoRASFTTrainer(
         model,
-        sft_args(tmp_path, gradient_checkpointing=checkpointing, bf16=bf16, max_steps=2),
+        sft_args(tmp_path, max_steps=2, **sft_kwargs),
         train_dataset=sums_dataset(),
         processing_class=char_tokenizer(),
         peft_config=lora_config(),
@@ -296,31 +296,25 @@ def test_scoring_runs_with_the_checkpointing_and_autocast_of_a_training_step(tmp
     )
     scoring = probe.take()
     trainer.train()
-    training = probe.take()
+    return trainer, scoring, probe.take()
+
+
+@pytest.mark.parametrize(("checkpointing", "bf16"), [(True, True), (False, False)])
+def test_scoring_runs_with_the_checkpointing_and_autocast_of_a_training_step(tmp_path, checkpointing, bf16):
+    _, scoring, training = probe_scoring_and_training(tmp_path, gradient_checkpointing=checkpointing, bf16=bf16)
     runs_per_batch = 2 if checkpointing else 1
     assert len(scoring) == 3 * runs_per_batch and len(training) == 2 * runs_per_batch
     expected = (True, torch.bfloat16) if bf16 else (False, None)
     assert set(scoring) == set(training) == {expected}
 
 
-# The `gpu` marker: register it in pyproject's [tool.pytest.ini_options] markers (see the H4 report).
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_on_cuda_scoring_runs_with_the_checkpointing_and_autocast_of_a_training_step(tmp_path, precision, dtype):
-    model = tiny_llama(LAYERS, vocab_size=VOCAB)
-    probe = LayerProbe(model.model.layers[0].mlp, device_type="cuda")
-    trainer = FoRASFTTrainer(
-        model,
-        sft_args(tmp_path, use_cpu=False, gradient_checkpointing=True, max_steps=2, **{precision: True}),
-        train_dataset=sums_dataset(),
-        processing_class=char_tokenizer(),
-        peft_config=lora_config(),
-        fora_config=FoRAConfig(fisher_batches=3),
+    trainer, scoring, training = probe_scoring_and_training(
+        tmp_path, "cuda", use_cpu=False, gradient_checkpointing=True, **{precision: True}
     )
-    scoring = probe.take()
-    trainer.train()
-    training = probe.take()
     assert len(scoring) == 3 * 2 and len(training) == 2 * 2  # forward + recompute per batch
     assert set(scoring) == set(training) == {(True, dtype)}
     scores = trainer.fora_selection.scores
@@ -410,8 +404,10 @@ def test_the_stiefel_betas_and_eps_reach_the_cayley_adam_group(tmp_path):
 
 
 def test_a_diverging_run_warns_once_with_the_step_and_the_fix(tmp_path, caplog):
-    # lora_A at lr 1e6 without clipping blows the loss up within a few steps; FoRA's own logs must not crash on the NaN weights.
-    trainer = make_trainer(tmp_path, FoRAConfig(fisher_batches=2, layers=[1, 3]), learning_rate=1e6, max_grad_norm=0.0, max_steps=6)
+    # lora_A at lr 1e6 without clipping blows the loss up within a few steps; FoRA's own logs must not crash on the
+    # NaN weights.
+    fora = FoRAConfig(fisher_batches=2, layers=[1, 3])
+    trainer = make_trainer(tmp_path, fora, learning_rate=1e6, max_grad_norm=0.0, max_steps=6)
     with caplog.at_level(logging.WARNING, logger="fora_plugin.monitor"):
         trainer.train()
     warnings = [r.getMessage() for r in caplog.records if r.name == "fora_plugin.monitor"]
