@@ -6,13 +6,15 @@ and so does the Axolotl plugin on Axolotl's trainer. The steps that need no trai
 FoRASFTTrainer first lets SFTTrainer do all of its work, LoRA wrap included (dataset processing, completion/assistant
 masks, packing, collator, loss, a k-bit base's adapter dtype), then scores the base model (adapters disabled) on
 batches of its own train dataloader through its own ``compute_loss``, then moves the adapter onto the chosen layers
-only. Under DeepSpeed ZeRO-1/2 the Stiefel ``lora_B`` are stepped beside the partition (:mod:`fora_plugin.zero`).
+only. Under DeepSpeed ZeRO-1/2 the Stiefel ``lora_B`` are stepped beside the partition (:mod:`fora_plugin.zero`);
+under FSDP2 each rank steps its rows of every ``lora_B`` (:mod:`fora_plugin.fsdp`).
 Overridden, and why:
 
-- ``__init__``: the selection and the re-adapt described above, and the DeepSpeed checks.
+- ``__init__``: the selection and the re-adapt described above, and the DeepSpeed and FSDP checks.
 - ``create_optimizer``: the single AdamW + Cayley-Adam optimizer (``build_fora_optimizer``; under DeepSpeed its
   ZeRO client form).
-- ``log``: adds the largest ‖BᵀB − I‖ and the mean effective rank of ΔW to every log, and the selection once.
+- ``log``: adds the largest ‖BᵀB − I‖ and the mean effective rank of ΔW to every log, and the selection once
+  (under FSDP2 from the adapters gathered whole for the log).
 - ``train``: refuses to resume a checkpoint trained on other layers, or one whose state files are truncated; notes
   the checkpoint for the Cayley state.
 
@@ -38,11 +40,11 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_utils import get_last_checkpoint
-from transformers.utils import strtobool
 from trl import SFTTrainer
 
 from .config import FoRAConfig
 from .fisher import FisherScores, fisher_scores
+from .fsdp import check_fsdp, gathered_adapters, prepare_fsdp2
 from .monitor import DivergenceMonitor
 from .optim import FoRAOptimizer, build_fora_optimizer, check_lr_scheduler_type
 from .wiring import (
@@ -361,6 +363,8 @@ class FoRASFTTrainer(SFTTrainer):
             )
         self._fora_resume: str | None = None
         prepare_deepspeed(self, fora_config, lambda: self._fora_resume)
+        if check_fsdp(self.args, fora_config) == 2:
+            prepare_fsdp2(self, fora_config)
         self._fora_seed = fora_config.seed if fora_config.seed is not None else self.args.seed
         selection = choose_layers(
             self.model.get_base_model(),
@@ -390,7 +394,8 @@ class FoRASFTTrainer(SFTTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._fora_logs is not None:
-            logs.update(self._fora_logs(self.model, self.optimizer))
+            with gathered_adapters(self.model, self.optimizer):  # under FSDP2: whole lora_A / lora_B; else nothing
+                logs.update(self._fora_logs(self.model, self.optimizer))
         super().log(logs, start_time)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
@@ -459,29 +464,6 @@ def check_learning_rate(value: Any, name: str = "learning_rate") -> None:
     """Refuse a learning rate that is not a finite number >= 0: a NaN or inf rate turns every adapter weight NaN."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name}={value!r} is invalid: use a finite float >= 0 (the paper uses 2e-4).")
-
-
-def check_fsdp(args: Any, fora: FoRAConfig) -> None:
-    """Refuse FSDP (1 and 2) up front, from the training arguments or an ``accelerate launch`` FSDP config.
-
-    FSDP shards every parameter by rows, lora_B included, but a Cayley step needs whole lora_B matrices; the Fisher
-    scoring and the Stiefel init have not been checked under it either.
-    """
-    if fora.mode == "lora":
-        return
-    if args.fsdp:  # True after TrainingArguments.__post_init__ when `fsdp` or an FSDP `fsdp_config` is set
-        version = int((args.fsdp_config or {}).get("version", 2))
-        setting = f"fsdp={args.fsdp!r} (FSDP{version}, fsdp_config={args.fsdp_config!r})"
-    elif strtobool(os.environ.get("ACCELERATE_USE_FSDP", "false")):
-        version = int(os.environ.get("FSDP_VERSION", "1"))
-        setting = f"ACCELERATE_USE_FSDP=true (FSDP{version}, from `accelerate launch` / its config file)"
-    else:
-        return
-    raise ValueError(
-        f"{setting} cannot be combined with mode={fora.mode!r}: FSDP shards lora_B by rows, but a Cayley step "
-        "needs whole lora_B matrices, so FoRA does not support FSDP yet. Use DDP or DeepSpeed ZeRO-1/2 (no fsdp "
-        "setting), or mode='lora'."
-    )
 
 
 def check_checkpoint_files(checkpoint: str | os.PathLike) -> None:

@@ -9,7 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import TARGETS, tiny_llama
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
+from test_trainer import LAYERS, VOCAB
 from test_zero import free_port
 
 from fora_plugin import FoRAConfig, build_fora_optimizer, make_stiefel
@@ -335,3 +337,72 @@ def test_gathered_adapters_shows_whole_matrices_for_the_logs(one_rank_mesh):
     assert logs["fora/max_orthogonality_error"] < 1e-5
     after = {n: p for n, p in model.named_parameters() if "lora_" in n}
     assert all(after[n] is p for n, p in before.items())  # the sharded parameters are back, the same objects
+
+
+# ------------------------------------------------------------------------------------- HF Trainer integration
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp_trainer")
+    torchrun(HERE / "distributed" / "fsdp_trainer.py", str(out))
+    runs = {run: [torch.load(out / f"{run}-rank{k}.pt") for k in range(2)] for run in ("full", "resumed", "qfora")}
+    return out, runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["full", "qfora"])
+def test_fora_sft_trainer_under_fsdp2(trainer_runs, run):
+    # accelerate's fully_shard (the FSDP plugin forced on the CPU ranks, see fsdp_trainer.force_fsdp2): every lora_B
+    # is stepped on its row shard, the ranks agree, B stays orthonormal, and FoRA's logs read the sharded adapters.
+    _, runs = trainer_runs
+    rank0, rank1 = runs[run]
+    assert rank0["stiefel_placements"] == ["(Shard(dim=0),)"] and rank0["stiefel_count"] == 10
+    assert rank0["base_placements"] == ["(Shard(dim=0),)"]  # the base (4-bit packed weights included) is sharded
+    assert rank0["exp_avg_types"] == ["DTensor"]
+    assert rank0["global_step"] == 6 and rank0["chosen"] == rank1["chosen"] and len(rank0["chosen"]) == 2
+    for name in rank0["lora"]:
+        assert torch.equal(rank0["lora"][name], rank1["lora"][name]), name
+    assert {n.split(".layers.")[1].split(".")[0] for n in rank0["lora"]} == {str(i) for i in rank0["chosen"]}
+    assert max(orthogonality_error(m).item() for m in rank0["masters"]) < 1e-5
+    assert rank0["losses"][-1] < rank0["losses"][0]
+    assert all(log["fora/max_orthogonality_error"] < 1e-5 for log in rank0["logs"])
+    assert rank0["linear4bit"] == (4 * 7 if run == "qfora" else 0)
+
+
+@pytest.mark.slow
+def test_resume_under_fsdp2_restores_the_cayley_state(trainer_runs):
+    # The checkpoint at step 3 is accelerate's sharded one (torch.distributed.checkpoint, DefaultLoadPlanner).
+    out, runs = trainer_runs
+    assert (out / "full" / "out" / "checkpoint-3" / "optimizer_0").is_dir()
+    full, resumed = runs["full"][0], runs["resumed"][0]
+    assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-6)
+    for name, tensor in full["lora"].items():
+        torch.testing.assert_close(resumed["lora"][name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_the_saved_adapter_is_plain_peft_lora(trainer_runs):
+    out, runs = trainer_runs
+    trained = runs["resumed"][0]["lora"]
+    saved = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert len(saved) == len(trained)
+    model = PeftModel.from_pretrained(tiny_llama(LAYERS, vocab_size=VOCAB), out / "adapter")
+    loaded = {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
+    for name, tensor in trained.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+# ---------------------------------------------------------------------------------------- Axolotl (its own venv)
+def test_axolotl_fsdp2_config_scores_only_weights_every_rank_loaded():
+    pytest.importorskip("axolotl")
+    import yaml
+    from axolotl.utils.config import validate_config
+    from axolotl.utils.dict import DictDefault
+    from pydantic import ValidationError
+
+    cfg = yaml.safe_load((HERE.parent / "example_configs" / "axolotl" / "qfora_llama3_70b_fsdp2.yaml").read_text())
+    validated = validate_config(DictDefault(cfg))
+    assert validated.fsdp_version == 2 and validated.bnb_config_kwargs["bnb_4bit_quant_storage"] == "bfloat16"
+    cfg["fsdp_config"]["cpu_ram_efficient_loading"] = True
+    with pytest.raises(ValidationError, match=r"cpu_ram_efficient_loading=True loads the weights on the first rank"):
+        validate_config(DictDefault(cfg))
+    validate_config(DictDefault({**cfg, "fora_layers": [10, 20]}))  # nothing to score: accepted

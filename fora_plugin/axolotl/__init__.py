@@ -8,7 +8,9 @@ in ``post_trainer_create`` (the trainer's dataloader and loss exist, its optimiz
 2. the adapter is taken off and put back under the same name, with the same LoraConfig object, on the chosen layers
    only, and its ``lora_B`` made Stiefel;
 3. the trainer gets FoRA's optimizer, FoRA's log entries and the callback that saves the selection in checkpoints;
-   under DeepSpeed ZeRO-1/2, FoRA's ZeRO client optimizer and its checkpoint callback (:mod:`fora_plugin.zero`).
+   under DeepSpeed ZeRO-1/2, FoRA's ZeRO client optimizer and its checkpoint callback (:mod:`fora_plugin.zero`);
+   under FSDP2 (``fsdp_config``), the checks and callback of :mod:`fora_plugin.fsdp`, and logs read from the
+   adapters gathered whole.
 
 ``adapter: qlora`` (a 4-bit NF4 base, ``load_in_4bit: true``) is QFoRA: the base is scored through the quantized
 linears' inputs and output gradients, and the adapter is the same.
@@ -33,6 +35,7 @@ from peft import PeftModel
 from transformers import Trainer
 
 from ..config import PREFIX, FoRAConfig
+from ..fsdp import gathered_adapters, prepare_fsdp2
 from ..models import resolve_model_path
 from ..monitor import DivergenceMonitor
 from ..trainer import check_checkpoint_files, fora_optimizer, prepare_deepspeed, score_on_trainer
@@ -98,6 +101,8 @@ class FoRAPlugin(BasePlugin):
             check_checkpoint_files(checkpoint)
         # Under DeepSpeed ZeRO-1/2: DeepSpeed's clipping off (FoRA's optimizer clips) and the Stiefel-state callback.
         prepare_deepspeed(trainer, fora, lambda: checkpoint)
+        if cfg.get("fsdp_config"):  # FSDP2 (Axolotl 0.21 has no other): row-sharded lora_B, see fora_plugin/fsdp.py
+            prepare_fsdp2(trainer, fora)
         selection = choose_layers(
             model.get_base_model(),
             fora,
@@ -132,7 +137,8 @@ def _add_fora_logs(trainer: Trainer, fora_logs: FoRALogs) -> None:
     @functools.wraps(log)
     def log_with_fora(logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
-            logs.update(fora_logs(trainer.model, trainer.optimizer))
+            with gathered_adapters(trainer.model, trainer.optimizer):  # under FSDP2: whole lora_A / lora_B
+                logs.update(fora_logs(trainer.model, trainer.optimizer))
         return log(logs, start_time)
 
     trainer.log = log_with_fora

@@ -15,6 +15,7 @@ from axolotl.integrations.base import normalize_plugin_name
 from pydantic import BaseModel, Field, create_model, model_validator
 
 from ..config import PREFIX, FoRAConfig
+from ..fsdp import check_weights_on_every_rank
 from ..optim import check_lr_scheduler_type
 from ..trainer import ADAMW_OPTIMS, check_init_lora_weights, check_learning_rate
 from ..zero import check_deepspeed_config, load_deepspeed_config
@@ -116,11 +117,12 @@ def _check_axolotl_settings(cfg: dict[str, Any], fora: FoRAConfig) -> None:
             "and FoRA's optimizer has its own groups (lora_A at learning_rate, lora_B at fora_lr_stiefel). "
             "Remove them."
         )
-    if cfg.get("fsdp_config"):
-        raise ValueError(
-            "fsdp_config is set: FSDP shards lora_B, but a Cayley step needs whole lora_B matrices, so FoRA does "
-            "not support FSDP yet. Use DDP (no fsdp_config), or fora_mode: lora."
-        )
+    fsdp = cfg.get("fsdp_config")
+    if fsdp:
+        # Axolotl 0.21 runs FSDP2 only (it refuses fsdp_version 1 itself): each rank steps its rows of every lora_B.
+        key = "cpu_ram_efficient_loading"
+        loading = fsdp.get(key) if isinstance(fsdp, Mapping) else getattr(fsdp, key, None)
+        check_weights_on_every_rank(loading, fora, "fsdp_config.cpu_ram_efficient_loading")
     if cfg.get("deepspeed"):
         _check_deepspeed(cfg["deepspeed"], fora)
 
