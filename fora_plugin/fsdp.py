@@ -83,8 +83,8 @@ def fsdp_setting(args: Any) -> tuple[int, str] | None:
 
 
 def check_fsdp(args: Any, fora: FoRAConfig) -> int | None:
-    """Refuse FSDP1, and loading the weights on one rank only when the layers are scored; the FSDP version the run
-    uses (2, or None without FSDP).
+    """Refuse FSDP1, FSDP2 in a single process, and loading the weights on one rank only when the layers are scored;
+    the FSDP version the run uses (2, or None without FSDP).
 
     FSDP1 flattens the parameters of a wrapped module into one 1-D vector per rank, whose slices cut across matrices:
     no per-matrix Cayley step can run on them. FSDP2 keeps every parameter a matrix sharded by rows.
@@ -99,6 +99,14 @@ def check_fsdp(args: Any, fora: FoRAConfig) -> int | None:
             "that cut across lora_B matrices, and the Cayley step needs matrices. Use FSDP2 (fsdp_config "
             '{"version": 2}, or fsdp_version: 2 in the accelerate config: example_configs/accelerate/'
             "fsdp2_8gpu.yaml), DeepSpeed ZeRO-1/2, or mode='lora'."
+        )
+    if getattr(args, "world_size", 1) < 2:
+        # HF refuses it too, but only once accelerate has been set up (which leaves ACCELERATE_USE_FSDP in the
+        # environment of the process).
+        raise ValueError(
+            f"{described} cannot be combined with mode={fora.mode!r} in a single process: FSDP2 shards the model "
+            "across processes. Launch with torchrun or accelerate launch (example_configs/accelerate/"
+            "fsdp2_8gpu.yaml), or drop the FSDP setting."
         )
     if args.fsdp:
         name = "fsdp_config.cpu_ram_efficient_loading"

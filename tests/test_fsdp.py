@@ -224,13 +224,18 @@ def fake_trainer(model):
 
 
 def test_fsdp1_is_refused_and_fsdp2_is_taken(monkeypatch):
+    def args(world_size=2, **fsdp_config):
+        return SimpleNamespace(fsdp=True, fsdp_config=fsdp_config, world_size=world_size)
+
     with pytest.raises(ValueError, match=r"fsdp=True \(FSDP1, .*cannot be combined with mode='fora': FSDP1 flattens"):
-        check_fsdp(SimpleNamespace(fsdp=True, fsdp_config={"version": 1}), FORA)
-    assert check_fsdp(SimpleNamespace(fsdp=True, fsdp_config={"version": 2}), FORA) == 2
-    assert check_fsdp(SimpleNamespace(fsdp=True, fsdp_config={"version": 1}), FoRAConfig(mode="lora")) == 1
+        check_fsdp(args(version=1), FORA)
+    assert check_fsdp(args(version=2), FORA) == 2
+    assert check_fsdp(args(version=1), FoRAConfig(mode="lora")) == 1
     assert check_fsdp(SimpleNamespace(fsdp=False, fsdp_config=None), FORA) is None
+    with pytest.raises(ValueError, match=r"\(FSDP2, .*cannot be combined with mode='fora' in a single process"):
+        check_fsdp(args(world_size=1, version=2), FORA)
     # Scoring runs on every rank before sharding: the weights must be loaded on every rank.
-    one_rank_loading = SimpleNamespace(fsdp=True, fsdp_config={"version": 2, "cpu_ram_efficient_loading": "true"})
+    one_rank_loading = args(version=2, cpu_ram_efficient_loading="true")
     with pytest.raises(ValueError, match=r"cpu_ram_efficient_loading=True loads the weights on the first rank only"):
         check_fsdp(one_rank_loading, FORA)
     assert check_fsdp(one_rank_loading, FoRAConfig(layers=[0])) == 2  # nothing to score
