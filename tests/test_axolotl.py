@@ -316,7 +316,6 @@ REFUSED = [
     ({"learning_rate": "inf"}, r"learning_rate=inf is invalid: use a finite float >= 0"),
 ]
 DEEPSPEED_REFUSED = [
-    ("fg-lora", {"zero_optimization": {"stage": 3}}, r"is ZeRO-3 \(zero_optimization.stage=3\): it shards"),
     ("fora", {"zero_optimization": {"stage": 0}}, r"has zero_optimization.stage=0: .* under ZeRO-1, 2 and 3"),
     ("fora", {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}, r"has an `optimizer` block"),
     (
