@@ -303,7 +303,10 @@ REFUSED = [
     ({"lora_model_dir": "some/adapter"}, r"lora_model_dir='some/adapter' loads a trained adapter"),
     ({"optimizer": "adamw_bnb_8bit"}, r"optimizer='adamw_bnb_8bit' cannot be combined with FoRA"),
     ({"loraplus_lr_ratio": 16.0}, r"loraplus_lr_ratio=16.0: these regroup the optimizer's parameters"),
-    ({"fsdp_config": {"fsdp_version": 2}}, r"fsdp_config is set: FSDP shards lora_B"),
+    (
+        {"fsdp_config": {"fsdp_version": 2, "cpu_ram_efficient_loading": True}},
+        r"cpu_ram_efficient_loading=True loads the weights on the first rank only",
+    ),
     (
         {"peft_init_lora_weights": "pissa"},
         r"peft_init_lora_weights='pissa' cannot be combined with fora_mode='fora': it subtracts the initial adapter",

@@ -383,14 +383,16 @@ def test_a_learning_rate_that_is_not_finite_and_nonnegative_is_refused(tmp_path,
             make_trainer(tmp_path, FoRAConfig(mode=mode), learning_rate=value)
 
 
-def test_fsdp_is_refused_up_front(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match=r"fsdp=True \(FSDP2, fsdp_config=.*cannot be combined with mode='fora'"):
+def test_fsdp1_and_a_single_process_fsdp2_are_refused_up_front(tmp_path, monkeypatch):
+    with pytest.raises(
+        ValueError, match=r"\(FSDP2, fsdp_config=.*cannot be combined with mode='fora' in a single process"
+    ):
         make_trainer(tmp_path, fsdp="full_shard", fsdp_config={"version": 2})
-    with pytest.raises(ValueError, match=r"\(FSDP1, fsdp_config=.*FoRA does not support FSDP yet"):
+    with pytest.raises(ValueError, match=r"\(FSDP1, fsdp_config=.*FSDP1 flattens parameters"):
         make_trainer(tmp_path, fsdp="full_shard", fsdp_config={"version": 1})
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("FSDP_VERSION", "2")
-    with pytest.raises(ValueError, match=r"ACCELERATE_USE_FSDP=true \(FSDP2, from `accelerate launch`"):
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ValueError, match=r"ACCELERATE_USE_FSDP=true \(FSDP1, from `accelerate launch`"):
         make_trainer(tmp_path)
 
 
