@@ -1,7 +1,5 @@
 """FoRA under FSDP2: CPU ranks over gloo against single-process runs of the same global batches, and the checks."""
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,7 +10,7 @@ from conftest import TARGETS, tiny_llama
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from test_trainer import LAYERS, VOCAB
-from test_zero import free_port
+from test_zero import torchrun
 
 from fora_plugin import FoRAConfig, build_fora_optimizer, make_stiefel
 from fora_plugin.fsdp import (
@@ -31,23 +29,6 @@ import fsdp_engine  # noqa: E402
 
 HERE = Path(__file__).parent
 WORLDS = (2, 3)  # 2: uneven row splits (65 -> 33/32); 3: also a rank holding no row of a lora_B (4 -> 2/2/0)
-
-
-def torchrun(script: Path, *args: str, nproc: int = 2, timeout: int = 600) -> None:
-    """``torchrun --nproc_per_node nproc`` of a script of tests/distributed on CPU processes over gloo."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    result = subprocess.run(
-        [*command, "--master_port", free_port(), str(script), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=HERE.parent,
-    )
-    if result.returncode != 0:
-        output = result.stdout[-4000:] + result.stderr[-8000:]
-        pytest.fail(f"torchrun {script.name} failed (rc={result.returncode}):\n{output}")
 
 
 # ------------------------------------------------------------------------------------- fully_shard, driven directly

@@ -37,13 +37,19 @@ def free_port() -> str:
         return str(sock.getsockname()[1])
 
 
-def torchrun(script: Path, *args: str, timeout: int = 1200) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node 2`` on DeepSpeed's CPU accelerator (gloo). The first run JIT-builds DeepSpeed's
-    shared-memory op (minutes); later runs reuse ~/.cache/torch_extensions."""
+def torchrun(script: Path, *args: str, nproc: int = 2, timeout: int = 1200) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc`` of a script of tests/distributed on CPU processes over gloo, DeepSpeed on
+    its CPU accelerator. The first DeepSpeed run JIT-builds its shared-memory op (minutes); later runs reuse
+    ~/.cache/torch_extensions."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     result = subprocess.run(
-        [*command, str(script), *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=HERE.parent
+        [*command, "--master_port", free_port(), str(script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=HERE.parent,
     )
     if result.returncode != 0:
         output = result.stdout[-4000:] + result.stderr[-8000:]
