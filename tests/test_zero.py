@@ -557,3 +557,33 @@ def test_zero3_resume_restores_the_cayley_state(zero3_trainer_runs):
     assert [log["loss"] for log in resumed["logs"][-3:]] == pytest.approx([log["loss"] for log in full["logs"][-3:]])
     for name, tensor in full["lora"].items():
         torch.testing.assert_close(resumed["lora"][name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("name", [s.value for s in __import__("transformers").SchedulerType])
+def test_every_supported_scheduler_moves_the_zero_clients_stiefel_lr_with_lora_as(name):
+    # Under DeepSpeed the schedule acts on the client's AdamW groups only; the Cayley-Adam rate follows their factor.
+    from test_optim import SCHEDULER_KWARGS
+    from transformers import get_scheduler
+
+    from fora_plugin.optim import UNSUPPORTED_LR_SCHEDULERS
+
+    if name in UNSUPPORTED_LR_SCHEDULERS:
+        pytest.skip(f"{name} is refused by name (test_optim)")
+    model = get_peft_model(tiny_llama(num_layers=2), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    make_stiefel(model, generator=torch.Generator().manual_seed(0))
+    opt = build_zero_fora_optimizer(model, lr=2e-4, lr_stiefel=1e-3)
+    assert opt.defaults["lr"] == 2e-4  # polynomial, the min-lr schedules, accelerate read it
+    scheduler = get_scheduler(
+        name, opt, num_warmup_steps=2, num_training_steps=12, scheduler_specific_kwargs=SCHEDULER_KWARGS.get(name)
+    )
+    rates = []
+    for step in range(12):
+        opt.step()  # no gradients: the Stiefel lr is set from the first group's, nothing moves
+        rates.append((opt.param_groups[0]["lr"], opt.stiefel.param_groups[0]["lr"]))
+        if name == "reduce_lr_on_plateau":
+            scheduler.step(float(step))  # a loss that never improves
+        else:
+            scheduler.step()
+    assert all(abs(b - 5 * a) < 1e-12 for a, b in rates), rates
+    if name != "constant":
+        assert len({a for a, _ in rates}) > 1  # the schedule did act
