@@ -23,6 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import char_tokenizer, tiny_llama  # noqa: E402
 from test_trainer import LAYERS, VOCAB, lora_config, sft_args, sums_dataset  # noqa: E402
+from zero_trainer import load_4bit  # noqa: E402
 
 from fora_plugin import FoRAConfig, FoRASFTTrainer  # noqa: E402
 
@@ -99,19 +100,6 @@ def snapshot(trainer: FoRASFTTrainer) -> dict:
     }
 
 
-def load_4bit(folder: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    quantization = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,  # bf16 is refused on a CPU
-        bnb_4bit_quant_storage=torch.bfloat16,  # a float storage: FSDP2 shards the 4-bit weights like any other
-    )
-    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization, device_map="cpu")
-
-
 def main(out_dir: str) -> None:
     out = Path(out_dir)
     full = make_trainer(out / "full")
@@ -130,7 +118,9 @@ def main(out_dir: str) -> None:
     if rank == 0:
         tiny_llama(LAYERS, vocab_size=VOCAB).save_pretrained(out / "model")
     dist.barrier()
-    qfora = make_trainer(out / "qfora", load_4bit(out / "model"), save_strategy="no")
+    # A float storage: FSDP2 shards the 4-bit weights like any other.
+    four_bit = load_4bit(out / "model", bnb_4bit_quant_storage=torch.bfloat16)
+    qfora = make_trainer(out / "qfora", four_bit, save_strategy="no")
     qfora.train()
     torch.save(snapshot(qfora), out / f"qfora-rank{rank}.pt")
     dist.barrier()

@@ -81,7 +81,8 @@ def snapshot(trainer: FoRASFTTrainer) -> dict:
     }
 
 
-def load_4bit(folder: Path) -> torch.nn.Module:
+def load_4bit(folder: Path, **quantization_kwargs) -> torch.nn.Module:
+    """The tiny Llama in NF4 with double quantisation on the CPU; ``quantization_kwargs`` go to BitsAndBytesConfig."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     quantization = BitsAndBytesConfig(
@@ -89,6 +90,7 @@ def load_4bit(folder: Path) -> torch.nn.Module:
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=torch.float32,  # bf16 is refused on a CPU
+        **quantization_kwargs,
     )
     return AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization, device_map="cpu")
 
