@@ -44,7 +44,7 @@ from trl import SFTTrainer
 
 from .config import FoRAConfig
 from .fisher import FisherScores, fisher_scores
-from .fsdp import check_fsdp, gathered_adapters, prepare_fsdp2
+from .fsdp import check_fsdp, prepare_fsdp2
 from .monitor import DivergenceMonitor
 from .optim import FoRAOptimizer, build_fora_optimizer, check_lr_scheduler_type
 from .wiring import (
@@ -394,8 +394,7 @@ class FoRASFTTrainer(SFTTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._fora_logs is not None:
-            with gathered_adapters(self.model, self.optimizer):  # under FSDP2: whole lora_A / lora_B; else nothing
-                logs.update(self._fora_logs(self.model, self.optimizer))
+            logs.update(self._fora_logs(self.model, self.optimizer))
         super().log(logs, start_time)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):

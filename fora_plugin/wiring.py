@@ -31,6 +31,7 @@ from .adapter import expert_blocks, make_stiefel, stiefel_num_experts, stiefel_p
 from .config import FoRAConfig
 from .diagnostics import mean_effective_rank
 from .fisher import FisherScores, find_decoder_layers, is_linear_like
+from .fsdp import gathered_adapters
 from .plots import plot_fisher_scores
 from .selection import check_layer_indices, resolve_layer_budget, select_layers
 from .stiefel import orthogonality_error
@@ -400,9 +401,10 @@ class FoRALogs:
 
     def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
         client = find_zero_client(optimizer)
-        # Under ZeRO-3 the adapters are partitioned between forwards, and the fp32 lora_B live in the client.
+        # Under ZeRO-3 the adapters are partitioned between forwards, and the fp32 lora_B live in the client; under
+        # FSDP2 they are row shards. Both gathers are collectives that do nothing elsewhere.
         points = client.stiefel_points() if isinstance(client, Zero3FoRAOptimizer) else {}
-        with gathered_trainable_parameters(model):
+        with gathered_trainable_parameters(model), gathered_adapters(model, optimizer):
             logs = {
                 "fora/max_orthogonality_error": _max_drift(
                     model, client.stiefel if client is not None else optimizer, points

@@ -35,7 +35,7 @@ from peft import PeftModel
 from transformers import Trainer
 
 from ..config import PREFIX, FoRAConfig
-from ..fsdp import gathered_adapters, prepare_fsdp2
+from ..fsdp import prepare_fsdp2
 from ..models import resolve_model_path
 from ..monitor import DivergenceMonitor
 from ..trainer import check_checkpoint_files, fora_optimizer, prepare_deepspeed, score_on_trainer
@@ -137,8 +137,7 @@ def _add_fora_logs(trainer: Trainer, fora_logs: FoRALogs) -> None:
     @functools.wraps(log)
     def log_with_fora(logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
-            with gathered_adapters(trainer.model, trainer.optimizer):  # under FSDP2: whole lora_A / lora_B
-                logs.update(fora_logs(trainer.model, trainer.optimizer))
+            logs.update(fora_logs(trainer.model, trainer.optimizer))
         return log(logs, start_time)
 
     trainer.log = log_with_fora
