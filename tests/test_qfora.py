@@ -212,32 +212,70 @@ def test_example_config_is_nf4_double_quant_with_bf16_compute():
     assert getattr(training_args.optim, "value", training_args.optim) in ("adamw_torch", "adamw_torch_fused")
 
 
-def test_a_4bit_model_repacked_by_an_eval_forward_is_refused(tmp_path):
-    # bitsandbytes on the CPU repacks a 4-bit weight for inference at the first no-grad eval forward (in_features
-    # >= 64) and never back; gradients then stop at that layer, so scoring must refuse rather than give wrong scores.
-    # in_features 128: bitsandbytes repacks only weights with in_features >= 64.
+def load_4bit_as_on_a_cpu(path, monkeypatch, avx512bf16: bool) -> torch.nn.Module:
+    """``load_4bit`` as on a CPU with or without AVX512-BF16, whichever this one has.
+
+    bitsandbytes asks the CPU once per Linear4bit, in its ``__init__`` (``support_avx512bf16_for_cpu``), and its
+    forward repacks a weight for the AVX512-BF16 inference kernel only where the answer was yes. Tests of the repack
+    pin the answer, so that they test the same thing on every CPU (on one without AVX512-BF16 nothing ever repacks).
+    """
+    monkeypatch.setattr("bitsandbytes.nn.modules.has_avx512bf16", lambda: avx512bf16)
+    model = load_4bit(path)
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and all(bool(m.support_avx512bf16_for_cpu) is avx512bf16 for m in layers)  # bitsandbytes asked us
+    return model
+
+
+def repacked(model: torch.nn.Module) -> list[bool]:
+    """Whether each Linear4bit weight is in bitsandbytes' CPU inference layout."""
+    return [
+        bool(getattr(m.weight.quant_state, "packing_format_for_cpu", False))
+        for m in model.modules()
+        if isinstance(m, bnb.nn.Linear4bit)
+    ]
+
+
+def test_a_4bit_model_repacked_by_an_eval_forward_is_refused(tmp_path, monkeypatch):
+    # On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight for inference at the first no-grad eval forward
+    # and never back; gradients then stop at that layer, so scoring must refuse rather than give wrong scores.
+    # in_features 128: the repack needs in_features >= 64 (one absmax block).
     tiny_llama(2, vocab_size=VOCAB, hidden_size=128, intermediate_size=256).save_pretrained(tmp_path)
-    model = load_4bit(tmp_path)
+    model = load_4bit_as_on_a_cpu(tmp_path, monkeypatch, avx512bf16=True)
     batches = make_batches()
     fisher_scores(model, batches, 1)  # fine before
+    assert not any(repacked(model))
     model.eval()
     with torch.no_grad():
+        # Where this CPU lacks AVX512-BF16, bitsandbytes multiplies the repacked weight with its generic kernel,
+        # which gives wrong logits; only the repack matters here.
         model(batches[0]["input_ids"])
+    assert all(repacked(model))
     with pytest.raises(ValueError, match="packing_format_for_cpu=True: an eval-mode forward"):
         fisher_scores(model, batches, 1)
 
 
-def test_scoring_under_reentrant_checkpointing_leaves_the_4bit_weights_trainable(tmp_path):
+def test_an_eval_forward_on_a_cpu_without_avx512bf16_leaves_the_4bit_model_scorable(tmp_path, monkeypatch):
+    # Without AVX512-BF16 bitsandbytes never repacks: the same eval forward changes nothing, and scoring after it
+    # gives the scores from before (the refusal above reads the weight's layout, not the model's history).
+    tiny_llama(2, vocab_size=VOCAB, hidden_size=128, intermediate_size=256).save_pretrained(tmp_path)
+    model = load_4bit_as_on_a_cpu(tmp_path, monkeypatch, avx512bf16=False)
+    batches = make_batches()
+    before = fisher_scores(model, batches, 3, progress=False).scores
+    model.eval()
+    with torch.no_grad():
+        model(batches[0]["input_ids"])
+    assert not any(repacked(model))
+    assert_close(fisher_scores(model, batches, 3, progress=False).scores, before, rtol=1e-6)
+
+
+def test_scoring_under_reentrant_checkpointing_leaves_the_4bit_weights_trainable(tmp_path, monkeypatch):
     # A reentrant checkpoint's first forward runs without gradients: a Linear4bit in eval mode would repack its
     # weight for inference there (for good). Scoring turns dropout off without putting the model in eval mode.
+    # Loaded as on a CPU with AVX512-BF16, the only kind on which bitsandbytes repacks: elsewhere this proves nothing.
     tiny_llama(2, vocab_size=VOCAB, hidden_size=128, intermediate_size=256).save_pretrained(tmp_path)
     batches = make_batches()
-    plain = fisher_scores(load_4bit(tmp_path), batches, 3, progress=False).scores
-    model = load_4bit(tmp_path)
+    plain = fisher_scores(load_4bit_as_on_a_cpu(tmp_path, monkeypatch, True), batches, 3, progress=False).scores
+    model = load_4bit_as_on_a_cpu(tmp_path, monkeypatch, True)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     assert_close(fisher_scores(model, batches, 3, progress=False).scores, plain, rtol=1e-5)
-    assert not any(
-        getattr(m.weight.quant_state, "packing_format_for_cpu", False)
-        for m in model.modules()
-        if isinstance(m, bnb.nn.Linear4bit)
-    )
+    assert not any(repacked(model))
