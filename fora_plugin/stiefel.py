@@ -151,7 +151,9 @@ def cayley_coefficients(
     tau = _as_batched_scalar(tau, BG)
     if solver == "exact":
         core = torch.eye(2 * r, dtype=BG.dtype, device=BG.device) + (tau / 2) * (rt_basis @ c_l)  # I + τ/2 RᵀL
-        b_next = e_b - tau * (c_l @ torch.linalg.solve(core, rt_basis @ e_b))  # (..., 2r, r)
+        # solve_ex: I + τ/2 W is invertible for skew W (eigenvalues 1 + iλ), so solve's error check, a host sync
+        # on an accelerator, never fires; a non-finite input shows as a non-finite B, which the optimizer skips.
+        b_next = e_b - tau * (c_l @ torch.linalg.solve_ex(core, rt_basis @ e_b)[0])  # (..., 2r, r)
     else:
         lt_l = c_l.mT @ gram @ c_l
         rt_r = c_r.mT @ gram @ c_r
