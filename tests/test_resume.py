@@ -108,6 +108,8 @@ def test_the_selection_is_saved_where_hf_saves_the_checkpoint(
     selection = FoRASelection([1, 3], 4, "model.layers")
     SaveSelectionCallback(selection).on_save(args, state, None)
     saved = tmp_path / "checkpoint-500" / SCORES_FILE
-    assert saved.is_file() == args.should_save == (local_process_index == 0 and (save_on_each_node or process_index == 0))
+    assert (
+        saved.is_file() == args.should_save == (local_process_index == 0 and (save_on_each_node or process_index == 0))
+    )
     if args.should_save:
         assert json.loads(saved.read_text())["chosen_layers"] == [1, 3]
