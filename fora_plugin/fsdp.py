@@ -276,7 +276,8 @@ def init_sharded_stiefel_state(model: nn.Module, optimizer: torch.optim.Optimize
             if not _is_dtensor(p) or optimizer.state[p]:
                 continue
             try:
-                _init_state(optimizer.state[p], p, group.get("num_experts", 1))
+                with torch.no_grad():  # as in the step: writes the projected point into the parameter
+                    _init_state(optimizer.state[p], p, group.get("num_experts", 1))
             except ValueError as error:
                 optimizer.state.pop(p, None)
                 raise ValueError(
