@@ -37,6 +37,7 @@ import copy
 import inspect
 import json
 import math
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ __all__ = [
     "find_zero_client",
     "gathered_trainable_parameters",
     "check_deepspeed_config",
+    "join_deepspeed_process_group",
     "deepspeed_zero_stage",
     "load_deepspeed_config",
     "zero3_scoring_engine",
@@ -599,6 +601,36 @@ def build_zero3_fora_optimizer(
     :func:`fora_plugin.optim.fora_optimizer_parts`, so the groups and rates equal those of the single-process one."""
     groups, adamw_defaults, stiefel_defaults = fora_optimizer_parts(model, *args, **kwargs)
     return Zero3FoRAOptimizer(groups, stiefel_defaults, max_grad_norm=max_grad_norm, **adamw_defaults)
+
+
+# ---------------------------------------------------------------------------------------------- launch
+def join_deepspeed_process_group(args: Any) -> None:
+    """Before a model loads under DeepSpeed: DeepSpeed's comm layer joins the process group the launcher's ranks
+    already share, so that ``zero.Init`` (HF's ``from_pretrained`` under ZeRO-3) counts the ranks HF counts.
+
+    On GPUs accelerate initialises DeepSpeed's comm layer itself. On CPU ranks (``use_cpu``) it sets up
+    ``torch.distributed`` alone, and ``zero.Init`` then reads a world size of 1 while HF filled the batch sizes for
+    all ranks: "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size". A launch
+    that HF does not count as distributed at all (a CPU-only machine without ``use_cpu``: HF sees one process while
+    the launcher started several) is refused by name: each rank would train the whole batch on its own.
+    """
+    if not getattr(args, "deepspeed", None):
+        return
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    world = args.world_size  # sets up accelerate's process state (and torch.distributed under a launcher)
+    if launched > 1 and world == 1:
+        raise ValueError(
+            f"deepspeed={args.deepspeed!r}: the launcher started WORLD_SIZE={launched} processes, but the training "
+            f"arguments count world_size={world} (use_cpu={args.use_cpu}; accelerate counts the ranks of a "
+            "machine without a GPU only with use_cpu true). Set use_cpu true on a CPU-only machine, or launch on "
+            "GPUs."
+        )
+    if world == 1 or not (dist.is_available() and dist.is_initialized()):
+        return
+    from deepspeed import comm
+
+    if not comm.is_initialized():
+        comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
 
 # ---------------------------------------------------------------------------------------------- configuration

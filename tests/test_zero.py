@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TARGETS, tiny_llama
-from peft import LoraConfig, get_peft_model
+from conftest import TARGETS, char_tokenizer, tiny_llama
+from peft import LoraConfig, PeftModel, get_peft_model
 
 from fora_plugin import FoRAConfig, make_stiefel
 from fora_plugin.adapter import expert_blocks
@@ -20,6 +20,7 @@ from fora_plugin.zero import (
     ZeroFoRAOptimizer,
     build_zero_fora_optimizer,
     check_deepspeed_config,
+    join_deepspeed_process_group,
     load_deepspeed_config,
 )
 
@@ -38,14 +39,15 @@ def free_port() -> str:
         return str(sock.getsockname()[1])
 
 
-def torchrun(script: Path, *args: str, nproc: int = 2, timeout: int = 1200) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node nproc`` of a script of tests/distributed on CPU processes over gloo, DeepSpeed on
-    its CPU accelerator. The first DeepSpeed run JIT-builds its shared-memory op (minutes); later runs reuse
-    ~/.cache/torch_extensions."""
+def torchrun(script: Path | str, *args: str, nproc: int = 2, timeout: int = 1200) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc`` of a script of tests/distributed (a Path) or of a module (a str, run as
+    ``-m module``) on CPU processes over gloo, DeepSpeed on its CPU accelerator. The first DeepSpeed run JIT-builds
+    its shared-memory op (minutes); later runs reuse ~/.cache/torch_extensions."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    target = ["-m", script] if isinstance(script, str) else [str(script)]
     result = subprocess.run(
-        [*command, "--master_port", free_port(), str(script), *args],
+        [*command, "--master_port", free_port(), *target, *args],
         env=env,
         capture_output=True,
         text=True,
@@ -54,7 +56,7 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: int = 1200) -> s
     )
     if result.returncode != 0:
         output = result.stdout[-4000:] + result.stderr[-8000:]
-        pytest.fail(f"torchrun {script.name} failed (rc={result.returncode}):\n{output}")
+        pytest.fail(f"torchrun {' '.join(target)} failed (rc={result.returncode}):\n{output}")
     return result
 
 
@@ -721,3 +723,71 @@ def test_every_supported_scheduler_moves_the_zero_clients_stiefel_lr_with_lora_a
     assert all(abs(b - 5 * a) < 1e-12 for a, b in rates), rates
     if name != "constant":
         assert len({a for a, _ in rates}) > 1  # the schedule did act
+
+
+# ------------------------------------------------------------------------------- the README's ZeRO-3 CLI launch
+@pytest.fixture(scope="module")
+def zero3_cli_run(tmp_path_factory):
+    """``torchrun --nproc_per_node 2 -m fora_plugin.cli train example_configs/quickstart.yaml --model_name_or_path
+    <tiny Llama> --deepspeed example_configs/deepspeed/zero3.json``, as the README gives it, 2 steps."""
+    pytest.importorskip("deepspeed")
+    root = tmp_path_factory.mktemp("zero3_cli")
+    tiny_llama(4, vocab_size=99).save_pretrained(root / "model")
+    char_tokenizer().save_pretrained(root / "model")
+    examples = HERE.parent / "example_configs"
+    torchrun(
+        "fora_plugin.cli",
+        "train",
+        str(examples / "quickstart.yaml"),
+        "--model_name_or_path",
+        str(root / "model"),
+        "--deepspeed",
+        str(examples / "deepspeed" / "zero3.json"),
+        "--output_dir",
+        str(root / "out"),
+        "--max_steps",
+        "2",
+        "--fora_fisher_batches",
+        "2",
+    )
+    return root
+
+
+@pytest.mark.slow
+def test_the_readme_zero3_cli_launch_trains_and_saves_a_plain_peft_adapter(zero3_cli_run):
+    # Seen before: it died in deepspeed.zero.Init inside TRL's from_pretrained ("train_batch_size is not equal to
+    # micro_batch_per_gpu * gradient_acc_step * world_size 4 != 2 * 1 * 1"): DeepSpeed's comm layer, not yet set
+    # up on CPU ranks, counted 1 rank where HF counted 2.
+    import json
+
+    from safetensors.torch import load_file
+
+    out = zero3_cli_run / "out"
+    selection = json.loads((out / "fora_scores.json").read_text())
+    chosen = selection["chosen_layers"]
+    assert selection["num_layers"] == 4 and selection["k"] == len(chosen) == 2
+    weights = load_file(out / "adapter_model.safetensors")
+    assert {int(n.split(".layers.")[1].split(".")[0]) for n in weights} == set(chosen)
+    lora_b = {n: w for n, w in weights.items() if "lora_B" in n}
+    assert len(lora_b) == len(chosen) * len(TARGETS)
+    assert max(orthogonality_error(w.float()).item() for w in lora_b.values()) < 1e-5
+    # Plain PEFT LoRA: it loads onto the base model without FoRA, and the trained adapter changes its output.
+    base = tiny_llama(4, vocab_size=99)
+    model = PeftModel.from_pretrained(tiny_llama(4, vocab_size=99), out)
+    ids = torch.arange(12)[None] % 99
+    with torch.no_grad():
+        assert not torch.allclose(model(input_ids=ids).logits, base(input_ids=ids).logits)
+
+
+def test_a_deepspeed_launch_hf_does_not_count_is_refused(monkeypatch):
+    # On a CPU-only machine without use_cpu, accelerate sees one process while torchrun started two: each rank would
+    # train the whole batch on its own.
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = SimpleNamespace(deepspeed="zero3.json", world_size=1, use_cpu=False)
+    with pytest.raises(ValueError, match=r"started WORLD_SIZE=2 processes, but .* world_size=1 .*Set use_cpu true"):
+        join_deepspeed_process_group(args)
+    join_deepspeed_process_group(SimpleNamespace(deepspeed=None, world_size=1, use_cpu=False))  # no DeepSpeed
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    join_deepspeed_process_group(args)  # one process: nothing to join
