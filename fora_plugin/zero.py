@@ -619,8 +619,9 @@ def join_deepspeed_process_group(args: Any) -> None:
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     world = args.world_size  # sets up accelerate's process state (and torch.distributed under a launcher)
     if launched > 1 and world == 1:
+        name = f"deepspeed={args.deepspeed!r}:" if isinstance(args.deepspeed, str) else "the deepspeed config:"
         raise ValueError(
-            f"deepspeed={args.deepspeed!r}: the launcher started WORLD_SIZE={launched} processes, but the training "
+            f"{name} the launcher started WORLD_SIZE={launched} processes, but the training "
             f"arguments count world_size={world} (use_cpu={args.use_cpu}; accelerate counts the ranks of a "
             "machine without a GPU only with use_cpu true). Set use_cpu true on a CPU-only machine, or launch on "
             "GPUs."
