@@ -1,5 +1,6 @@
 """FoRA under DeepSpeed ZeRO-1/2: two CPU ranks over gloo against a single-process run of the same global batches."""
 
+import inspect
 import math
 import os
 import socket
@@ -619,6 +620,26 @@ def test_zero3_optimizer_holds_every_group_and_whole_fp32_lora_b():
     assert [id(p) for p in stiefel[0]["params"]] == [id(p) for p in lora_b]
     for full, b in zip(optimizer.stiefel_parameters, lora_b, strict=True):
         assert torch.equal(full, b) and full.dtype == torch.float32 and full is not b
+
+
+@pytest.mark.parametrize("rank", [4, 12])  # r·E = 16 <= d_out = 32, and 48 > 32
+def test_zero3_optimizer_keeps_every_cayley_setting_of_the_single_process_one(rank):
+    # Seen before: the ZeRO-3 Cayley groups were built from a copied key list without num_experts and
+    # reproject_threshold: a fused-MoE lora_B was one Stiefel matrix (and with r·E > d_out no optimizer at all).
+    from test_moe import fora_moe, moe_lora_config
+
+    from fora_plugin import build_fora_optimizer
+    from fora_plugin.zero import build_zero3_fora_optimizer
+
+    config = moe_lora_config()
+    config.r, config.lora_alpha = rank, 2 * rank
+    model, _ = fora_moe(config)
+    settings = dict(lr_stiefel=1e-2, qr_period=7, reproject_threshold=3e-4, cayley_solver="fixed_point")
+    zero3 = build_zero3_fora_optimizer(model, max_grad_norm=1.0, **settings).stiefel.param_groups
+    single = [g for g in build_fora_optimizer(model, **settings).param_groups if g["stiefel"]]
+    assert [g["num_experts"] for g in zero3] == [1, 4]
+    keys = set(inspect.signature(CayleyAdam).parameters) - {"params"}
+    assert [{k: g[k] for k in keys} for g in zero3] == [{k: g[k] for k in keys} for g in single]
 
 
 def test_zero3_optimizer_refusals_name_the_fix():
