@@ -44,6 +44,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.utils import strtobool
 
 from .config import FoRAConfig
+from .optim import _init_state
 
 
 try:
@@ -60,6 +61,7 @@ __all__ = [
     "check_weights_on_every_rank",
     "fsdp_setting",
     "gathered_adapters",
+    "init_sharded_stiefel_state",
     "prepare_fsdp2",
 ]
 
@@ -193,6 +195,7 @@ class FSDP2Callback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = self.trainer
         check_sharded_training(trainer.model, trainer.optimizer)
+        init_sharded_stiefel_state(trainer.model, trainer.optimizer)
         selection = getattr(trainer, "fora_selection", None)
         if selection is not None:
             check_same_selection(selection.chosen)
@@ -253,6 +256,34 @@ def check_sharded_training(model: nn.Module, optimizer: torch.optim.Optimizer) -
                     " Shard(0)). Use fully_shard on a 1-D mesh (no tensor parallelism, no HSDP) and no "
                     "shard_placement_fn for lora_B."
                 )
+
+
+def init_sharded_stiefel_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Set up the Cayley-Adam state of every row-sharded Stiefel ``lora_B`` that has none yet, before training.
+
+    The first step would do it otherwise: it projects each ``lora_B`` onto the manifold by Cholesky-QR2 on its row
+    shards, and checks each Cholesky factorisation on the host (a ``lora_B`` without full column rank has no
+    orthonormal basis of its span), two host syncs per parameter inside a training step. Here they run once, at
+    setup, and a ``lora_B`` that cannot be projected is refused by name; every step after reads nothing back to the
+    host. The state is what the first step would have made (nothing changes ``lora_B`` in between); a state loaded
+    from a checkpoint is left as it is.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        if not group.get("stiefel"):
+            continue
+        for p in group["params"]:
+            if not _is_dtensor(p) or optimizer.state[p]:
+                continue
+            try:
+                with torch.no_grad():  # as in the step: writes the projected point into the parameter
+                    _init_state(optimizer.state[p], p, group.get("num_experts", 1))
+            except ValueError as error:
+                optimizer.state.pop(p, None)
+                raise ValueError(
+                    f"Stiefel lora_B {names.get(id(p), '?')} of shape {tuple(p.shape)} cannot be projected onto the "
+                    f"manifold: {error}"
+                ) from error
 
 
 def check_same_selection(chosen: list[int]) -> None:

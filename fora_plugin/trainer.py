@@ -68,6 +68,7 @@ from .zero import (
     check_deepspeed_config,
     deepspeed_zero_stage,
     find_zero_client,
+    join_deepspeed_process_group,
     zero3_scoring_engine,
 )
 
@@ -340,6 +341,8 @@ class FoRASFTTrainer(SFTTrainer):
         self._fora_logs: FoRALogs | None = None
         if args is not None:
             check_learning_rate(args.learning_rate)
+            # Before SFTTrainer loads a model given by name (under ZeRO-3, inside zero.Init).
+            join_deepspeed_process_group(args)
         if fora_config.mode == "lora":
             super().__init__(model, args, *pos, peft_config=peft_config, **kwargs)
             return

@@ -378,13 +378,17 @@ def checkpoint_folder(args, state) -> Path:
 
 
 class SaveSelectionCallback(TrainerCallback):
-    """Every checkpoint carries the selection, so a resume adapts the same layers without scoring again."""
+    """Every checkpoint carries the selection, so a resume adapts the same layers without scoring again.
+
+    Written wherever HF writes the checkpoint (``args.should_save``): the main process, or with
+    ``save_on_each_node`` each node's local main process, so a node without a shared filesystem can resume too.
+    """
 
     def __init__(self, selection: FoRASelection) -> None:
         self.selection = selection
 
     def on_save(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
+        if args.should_save:
             folder = checkpoint_folder(args, state)
             folder.mkdir(parents=True, exist_ok=True)
             (folder / SCORES_FILE).write_text(json.dumps(self.selection.to_dict(), indent=2))

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import math
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,7 +47,7 @@ import torch.distributed as dist
 from torch.optim import AdamW
 
 from .config import FoRAConfig
-from .optim import CayleyAdam, fora_optimizer_parts, stiefel_step_with_gradients
+from .optim import CayleyAdam, _cayley_adam_group_step, fora_optimizer_parts, stiefel_step_with_gradients
 
 
 __all__ = [
@@ -57,6 +59,7 @@ __all__ = [
     "find_zero_client",
     "gathered_trainable_parameters",
     "check_deepspeed_config",
+    "join_deepspeed_process_group",
     "deepspeed_zero_stage",
     "load_deepspeed_config",
     "zero3_scoring_engine",
@@ -119,9 +122,11 @@ class ZeroFoRAOptimizer(AdamW):
         self._base_lr = self.param_groups[0]["lr"]
         self._stiefel_base_lrs = [group["lr"] for group in stiefel.param_groups]
         self._engine_optimizer = None
-        self._clip_coef = 1.0
+        # The clip factor (a 0-dim tensor on the device; None = no clipping) and the norm it came from: kept on the
+        # device, so that a step reads nothing back to the host.
+        self._clip_coef: torch.Tensor | None = None
+        self._last_grad_norm: torch.Tensor | None = None
         self.steps = 0
-        self.last_grad_norm: float | None = None
 
     def bind(self, engine_optimizer: Any) -> None:
         """Hand over the DeepSpeed ZeRO optimizer that wraps this one (``engine.optimizer``).
@@ -145,6 +150,11 @@ class ZeroFoRAOptimizer(AdamW):
     def stiefel_parameters(self) -> list[torch.Tensor]:
         return [p for group in self.stiefel.param_groups for p in group["params"]]
 
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The norm of the last step's gradients, lora_A's and lora_B's together (one host read: for logs)."""
+        return None if self._last_grad_norm is None else float(self._last_grad_norm)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.param_groups[0][_FIRST_GROUP] = True
@@ -154,25 +164,33 @@ class ZeroFoRAOptimizer(AdamW):
         first = next((group for group in self.param_groups if group.get(_FIRST_GROUP)), None)
         if first is not None:
             self._clip_coef = self._stiefel_step(first["lr"])
-        if self._clip_coef != 1.0:
-            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-            torch._foreach_mul_(grads, self._clip_coef)
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if self._clip_coef is not None and grads:
+            # Always multiplied (by exactly 1 when the norm is below max_grad_norm), as clip_grad_norm_ does: a test
+            # of the factor would read it back to the host. Offloaded partitions sit on the CPU.
+            torch._foreach_mul_(grads, self._clip_coef.to(grads[0].device))
         return super().step(closure)
 
-    def _stiefel_step(self, lr: float) -> float:
-        """Average, clip and apply the Stiefel gradients; returns the clip factor for the Euclidean slices."""
+    def _stiefel_step(self, lr: float) -> torch.Tensor | None:
+        """Average, clip and apply the Stiefel gradients; returns the clip factor for the Euclidean slices (None
+        without clipping). Nothing is read back to the host: the norm and the factor stay tensors."""
         params = self.stiefel_parameters
         grads = _averaged_gradients(params, self.process_group)  # fp32 or None (no rank had one); one all-reduce
         live = [g for g in grads if g is not None]
-        coef = 1.0
+        coef = None
         euclid = self._euclidean_grad_norm()
         if euclid is not None:
-            stiefel_sq = float(sum(g.square().sum() for g in live)) if live else 0.0
-            self.last_grad_norm = total = math.sqrt(euclid**2 + stiefel_sq)
+            device = params[0].device
+            euclid = torch.as_tensor(euclid, dtype=torch.float32, device=device)  # DeepSpeed's: a tensor or a float
+            # One norm over both parts, as clip_grad_norm_ forms it: the norm of the per-part norms.
+            stiefel_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(live))) if live else 0 * euclid
+            self._last_grad_norm = total = torch.linalg.vector_norm(torch.stack((euclid, stiefel_norm)))
             if self.max_grad_norm > 0:
-                # torch.nn.utils.clip_grad_norm_'s rule, which HF Trainer applies without DeepSpeed.
-                coef = min(1.0, self.max_grad_norm / (total + 1e-6))
-                if coef < 1.0 and live:
+                # torch.nn.utils.clip_grad_norm_'s rule, which HF Trainer applies without DeepSpeed. A NaN norm (a
+                # lora_B with a non-finite gradient: DeepSpeed never sees it) clips nothing; that lora_B alone skips
+                # its step in Cayley-Adam.
+                coef = (self.max_grad_norm / (total + 1e-6)).clamp(max=1.0).nan_to_num(nan=1.0)
+                if live:
                     torch._foreach_mul_(live, coef)
         factor = lr / self._base_lr if self._base_lr else 1.0
         for group, base_lr in zip(self.stiefel.param_groups, self._stiefel_base_lrs):
@@ -186,8 +204,9 @@ class ZeroFoRAOptimizer(AdamW):
             self.broadcast_stiefel_state()
         return coef
 
-    def _euclidean_grad_norm(self) -> float | None:
-        """DeepSpeed's norm of the partitioned gradients; None where it is not needed and not there."""
+    def _euclidean_grad_norm(self) -> torch.Tensor | float | None:
+        """DeepSpeed's norm of the partitioned gradients (as DeepSpeed keeps it: a tensor, or a float such as inf
+        for a step it skips); None where it is not needed and not there."""
         if self._engine_optimizer is None:
             if self.max_grad_norm > 0:
                 raise ValueError(
@@ -203,7 +222,7 @@ class ZeroFoRAOptimizer(AdamW):
                 f"lora_A and lora_B by one norm (max_grad_norm={self.max_grad_norm}): set compute_grad_norm true, or "
                 "max_grad_norm 0."
             )
-        return None if norm is None else float(norm)
+        return norm
 
     @torch.no_grad()
     def broadcast_stiefel_state(self) -> None:
@@ -292,6 +311,11 @@ def _averaged_gradients(params: list[torch.Tensor], group: dist.ProcessGroup | N
             dist.all_reduce(flat, group=group)
             flat[: -len(params)].div_(world)
     *grads, counts = flat.split([p.numel() for p in params] + [len(params)])
+    if all(p.grad is not None for p in params):
+        # This rank has every gradient, so every rank steps every lora_B: nothing to read back to the host.
+        return [g.view_as(p) for g, p in zip(grads, params)]
+    # A lora_B this rank has no gradient for (unused in its forwards): whether another rank has one is on the
+    # device, and one host read tells (only in this case, never in an ordinary step).
     return [g.view_as(p) if count > 0 else None for g, p, count in zip(grads, params, counts.tolist())]
 
 
@@ -433,10 +457,14 @@ class Zero3FoRAOptimizer(AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
+        # DeepSpeed calls this once per sub-group, with only that sub-group's flat partition in its group's params
+        # (bind() checks that a Stiefel group lies in one sub-group): each Cayley group steps once per step.
         stiefel = [group for group in self.param_groups if group.get("stiefel")]
         for group in stiefel:
-            for flat in group["params"]:  # DeepSpeed shows one sub-group's fp32 partition at a time
+            for flat in group["params"]:
                 self._stiefel_step(group, flat)
+        if any(group[_STIEFEL_INDEX] == 0 and group["params"] for group in stiefel):
+            self.steps += 1  # counted at the first Stiefel group's call: one per optimizer step, however many groups
         # AdamW steps the other groups; DeepSpeed restores every group's params list after the call.
         held = [group["params"] for group in stiefel]
         for group in stiefel:
@@ -476,7 +504,9 @@ class Zero3FoRAOptimizer(AdamW):
             grads[full] = both[1].view_as(full)
         cayley = self.stiefel.param_groups[group[_STIEFEL_INDEX]]
         cayley["lr"] = group["lr"]  # the LR schedule's value for this group
-        stiefel_step_with_gradients(self.stiefel, grads)
+        # This group's Cayley group alone: stepping them all here would advance the other groups' step counts
+        # (and so their periodic QR) once per sub-group.
+        _cayley_adam_group_step(self.stiefel.state, cayley, grads)
         offset = 0
         for p, size in zip(params, sizes):
             new = self._full[p].reshape(-1)
@@ -484,7 +514,6 @@ class Zero3FoRAOptimizer(AdamW):
             valid = max(0, min(size, new.numel() - start))  # the last slice may be partly padding
             flat.data[offset : offset + valid].copy_(new[start : start + valid])
             offset += size
-        self.steps += 1
 
     def stiefel_state_dict(self) -> dict[str, Any]:
         """The Cayley-Adam state (moments, step counts), the same on every rank."""
@@ -560,7 +589,9 @@ def gathered_trainable_parameters(model: torch.nn.Module) -> Iterator[None]:
 _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # Marks a Stiefel group of Zero3FoRAOptimizer with the index of its CayleyAdam group (survives load_state_dict).
 _STIEFEL_INDEX = "fora_stiefel_index"
-_CAYLEY_KEYS = ("lr", "betas", "eps", "qr_period", "cayley_solver", "cayley_iters")
+# The Cayley-Adam hyperparameters a group can carry: CayleyAdam's own keyword arguments (num_experts included, which
+# makes each expert's (d_out, r) block of a fused-MoE lora_B its own Stiefel matrix).
+_CAYLEY_KEYS = tuple(name for name in inspect.signature(CayleyAdam).parameters if name != "params")
 
 
 def build_zero3_fora_optimizer(
@@ -572,7 +603,42 @@ def build_zero3_fora_optimizer(
     return Zero3FoRAOptimizer(groups, stiefel_defaults, max_grad_norm=max_grad_norm, **adamw_defaults)
 
 
+# ---------------------------------------------------------------------------------------------- launch
+def join_deepspeed_process_group(args: Any) -> None:
+    """Before a model loads under DeepSpeed: DeepSpeed's comm layer joins the process group the launcher's ranks
+    already share, so that ``zero.Init`` (HF's ``from_pretrained`` under ZeRO-3) counts the ranks HF counts.
+
+    On GPUs accelerate initialises DeepSpeed's comm layer itself. On CPU ranks (``use_cpu``) it sets up
+    ``torch.distributed`` alone, and ``zero.Init`` then reads a world size of 1 while HF filled the batch sizes for
+    all ranks: "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size". A launch
+    that HF does not count as distributed at all (a CPU-only machine without ``use_cpu``: HF sees one process while
+    the launcher started several) is refused by name: each rank would train the whole batch on its own.
+    """
+    if not getattr(args, "deepspeed", None):
+        return
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    world = args.world_size  # sets up accelerate's process state (and torch.distributed under a launcher)
+    if launched > 1 and world == 1:
+        name = f"deepspeed={args.deepspeed!r}:" if isinstance(args.deepspeed, str) else "the deepspeed config:"
+        raise ValueError(
+            f"{name} the launcher started WORLD_SIZE={launched} processes, but the training "
+            f"arguments count world_size={world} (use_cpu={args.use_cpu}; accelerate counts the ranks of a "
+            "machine without a GPU only with use_cpu true). Set use_cpu true on a CPU-only machine, or launch on "
+            "GPUs."
+        )
+    if world == 1 or not (dist.is_available() and dist.is_initialized()):
+        return
+    from deepspeed import comm
+
+    if not comm.is_initialized():
+        comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+
+
 # ---------------------------------------------------------------------------------------------- configuration
+# How a DeepSpeed config can spell fp32 (deepspeed.runtime.config.DtypeEnum).
+_FP32_NAMES = ("fp32", "float32", "float", "torch.float32")
+
+
 def load_deepspeed_config(deepspeed: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     """A DeepSpeed config given as a path to a JSON file or as a dict."""
     if isinstance(deepspeed, Mapping):
@@ -631,4 +697,21 @@ def check_deepspeed_config(ds: Mapping[str, Any], fora: FoRAConfig, name: str = 
             f"{name} enables fp16 (fp16.enabled={ds['fp16']['enabled']!r}): FoRA under DeepSpeed is checked in bf16 "
             "(the paper's setting) and fp32 only; under ZeRO-1/2 the loss scaling would not reach the Stiefel "
             "lora_B. Use bf16 or fp32."
+        )
+    bf16_key = next((key for key in ("bf16", "bfloat16") if key in ds), "bf16")  # DeepSpeed reads both names
+    accum = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    if (
+        stage == 1
+        and (ds.get(bf16_key) or {}).get("enabled") is True
+        and accum in _FP32_NAMES
+        and offload in (None, "none")
+    ):
+        # DeepSpeed's engine (_do_optimizer_sanity_check) then wraps the client in BF16_Optimizer instead of ZeRO-1's
+        # optimizer: FoRA's replicated Cayley step is not checked there, and a custom matrix step has been reported
+        # silently not to run under it (DeepSpeed #8461).
+        raise ValueError(
+            f"{name} has zero_optimization.stage=1 with {bf16_key}.enabled=true and data_types.grad_accum_dtype="
+            f"{accum!r}: DeepSpeed then wraps the optimizer in its BF16_Optimizer rather than ZeRO-1's, and FoRA's "
+            "Stiefel lora_B step is supported under ZeRO-1/2/3 only. Use stage 2 (example_configs/deepspeed/"
+            "zero2.json, which accumulates in fp32 itself), or remove data_types.grad_accum_dtype."
         )

@@ -14,6 +14,7 @@ from test_zero import torchrun
 
 from fora_plugin import FoRAConfig, build_fora_optimizer, make_stiefel
 from fora_plugin.fsdp import (
+    FSDP2Callback,
     check_fsdp,
     check_sharded_training,
     gathered_adapters,
@@ -277,13 +278,13 @@ def test_mixed_sharded_and_plain_trainables_are_refused(one_rank_mesh):
         check_sharded_training(model, build_fora_optimizer(model))
 
 
-def sharded_like_accelerate(mesh, shard_placement_fn=None):
+def sharded_like_accelerate(mesh, shard_placement_fn=None, **optimizer_kwargs):
     """A PEFT Llama sharded by fully_shard after its FoRA optimizer was built, the optimizer then pointed at the
     sharded parameters: accelerate's order (fsdp2_switch_optimizer_parameters)."""
     from torch.distributed.fsdp import fully_shard
 
     model = peft_llama()
-    optimizer = build_fora_optimizer(model)
+    optimizer = build_fora_optimizer(model, **optimizer_kwargs)
     names = {id(p): n for n, p in model.named_parameters()}
     group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     for layer in model.base_model.model.model.layers:
@@ -392,3 +393,50 @@ def test_axolotl_fsdp2_config_scores_only_weights_every_rank_loaded():
     with pytest.raises(ValidationError, match=r"cpu_ram_efficient_loading=True loads the weights on the first rank"):
         validate_config(DictDefault(cfg))
     validate_config(DictDefault({**cfg, "fora_layers": [10, 20]}))  # nothing to score: accepted
+
+
+def counted_sharded_step(model, optimizer, before_step=lambda: None):
+    from fora_plugin.host_sync import HostSyncCounter
+
+    ids = torch.arange(10)[None] % 7
+    model(input_ids=ids, labels=ids).loss.backward()
+    before_step()
+    with HostSyncCounter() as syncs:
+        optimizer.step()
+    optimizer.zero_grad()
+    return syncs
+
+
+def test_the_sharded_step_makes_no_host_sync(one_rank_mesh):
+    # Seen before: the first step projected each DTensor lora_B with Cholesky-QR2, whose error check read the
+    # factorisation's status to the host twice per parameter. FSDP2Callback now sets the Cayley state up when
+    # training starts (a lora_B without full rank is refused there, once); every step after reads nothing back.
+    # AdamW fused: the non-fused one reads its step counts, CPU tensors even on a GPU.
+    model, optimizer = sharded_like_accelerate(one_rank_mesh, fused=True, qr_period=2)
+    trainer = SimpleNamespace(model=model, optimizer=optimizer, fora_selection=None)
+    FSDP2Callback(trainer).on_train_begin(None, None, None)
+    stiefel = [p for group in optimizer.param_groups if group["stiefel"] for p in group["params"]]
+    first, b = stiefel[:2]
+    for step in range(3):  # the first step, a periodic QR step (qr_period 2), an ordinary one
+        syncs = counted_sharded_step(model, optimizer)
+        assert syncs.count == 0, f"step {step}: {syncs.report()}"
+    before = first.full_tensor()
+    syncs = counted_sharded_step(model, optimizer, lambda: first.grad.to_local().view(-1)[0].fill_(float("nan")))
+    assert syncs.count == 0, syncs.report()  # the skip path
+    assert torch.equal(first.full_tensor(), before) and optimizer.skipped_steps() == 1
+    with torch.no_grad():
+        b.to_local().mul_(1.01)
+    syncs = counted_sharded_step(model, optimizer)
+    assert syncs.count == 0, syncs.report()  # the re-projection path
+    assert optimizer.reprojections() == 1 and orthogonality_error(b.full_tensor()) < 1e-5
+
+
+def test_a_sharded_lora_b_without_full_rank_is_refused_when_training_starts(one_rank_mesh):
+    # The one host read the first step used to make per parameter, made once at setup, names the parameter.
+    model, optimizer = sharded_like_accelerate(one_rank_mesh)
+    name, b = next((n, p) for n, p in model.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        b.to_local()[:, 1] = b.to_local()[:, 0]  # two equal columns: no orthonormal basis of the same span
+    trainer = SimpleNamespace(model=model, optimizer=optimizer, fora_selection=None)
+    with pytest.raises(ValueError, match=rf"Stiefel lora_B {name} of shape \(\d+, 4\) cannot be projected"):
+        FSDP2Callback(trainer).on_train_begin(None, None, None)

@@ -86,3 +86,30 @@ def test_an_intact_checkpoint_still_resumes(checkpointed, tmp_path):
     trainer.train(resume_from_checkpoint=str(copy / "checkpoint-2"))
     assert trainer.state.global_step == 4
     assert json.loads((copy / "fora_scores.json").read_text())["chosen_layers"] == trainer.fora_selection.chosen
+
+
+@pytest.mark.parametrize(
+    ("process_index", "local_process_index", "save_on_each_node"),
+    [(0, 0, False), (2, 0, True), (2, 0, False), (3, 1, True)],
+)
+def test_the_selection_is_saved_where_hf_saves_the_checkpoint(
+    tmp_path, monkeypatch, process_index, local_process_index, save_on_each_node
+):
+    # Seen before: only the world's main process wrote fora_scores.json, so with save_on_each_node a run resumed on
+    # node 1 (no shared filesystem) stopped with "No FoRA selection at .../checkpoint-500/fora_scores.json".
+    from transformers import TrainerState, TrainingArguments
+
+    from fora_plugin.wiring import SCORES_FILE, FoRASelection, SaveSelectionCallback
+
+    args = TrainingArguments(output_dir=str(tmp_path), save_on_each_node=save_on_each_node, use_cpu=True)
+    monkeypatch.setattr(TrainingArguments, "process_index", property(lambda self: process_index))
+    monkeypatch.setattr(TrainingArguments, "local_process_index", property(lambda self: local_process_index))
+    state = TrainerState(global_step=500, is_world_process_zero=process_index == 0)
+    selection = FoRASelection([1, 3], 4, "model.layers")
+    SaveSelectionCallback(selection).on_save(args, state, None)
+    saved = tmp_path / "checkpoint-500" / SCORES_FILE
+    assert (
+        saved.is_file() == args.should_save == (local_process_index == 0 and (save_on_each_node or process_index == 0))
+    )
+    if args.should_save:
+        assert json.loads(saved.read_text())["chosen_layers"] == [1, 3]

@@ -6,6 +6,9 @@
   of ``zero_engine`` (each rank its own micro-batches, gradient accumulation 2, every step clipped), rank 1's loss
   made NaN in one micro-batch of step ``NAN_STEP``; the full lora_A/lora_B, the Cayley state and what the
   partition looked like. fp32 is compared with ``zero_engine.train_single_process`` skipping that step.
+- ``zero3_moe``: the same on a tiny Qwen3-MoE whose fused experts carry LoRA (``target_parameters``, 4 experts,
+  r·E > d_out), AdamW fused; with each Cayley group's step count and number of expert blocks, and the host syncs
+  of every client step (DeepSpeed calls the client once per sub-group).
 - ``scores``: Fisher scores of a base model partitioned by ``zero.Init``, each rank scoring its own batches inside
   :func:`~fora_plugin.zero.zero3_scoring_engine`, compared with a single-process run on all the batches.
 """
@@ -22,7 +25,7 @@ from peft import LoraConfig, get_peft_model
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero_engine  # noqa: E402
-from conftest import TARGETS, tiny_llama  # noqa: E402
+from conftest import EXPERT_PARAMETERS, TARGETS, tiny_llama, tiny_moe  # noqa: E402
 from zero_engine import GAS, MAX_GRAD_NORM, MICRO, WORLD, global_batches, micro_batch  # noqa: E402
 
 from fora_plugin import make_stiefel  # noqa: E402
@@ -32,7 +35,12 @@ from fora_plugin import make_stiefel  # noqa: E402
 INTERMEDIATE, RANK = 45, 3
 UNEVEN = "up_proj"
 NAN_STEP = 4
-VARIANTS = ("zero3", "zero3_bf16")
+VARIANTS = ("zero3", "zero3_bf16", "zero3_moe")
+# The MoE's expert lora_B are (32, r·E) = (32, 48): more columns than rows, each expert's (32, 12) block a Stiefel
+# matrix of its own. Its AdamW is fused: the non-fused one reads its step counts (CPU tensors even on a GPU) to
+# the host, which the sync count would take for syncs.
+MOE_RANK, MOE_LAYERS, MOE_EXPERTS = 12, [1, 3], 4
+MOE_OPTIMIZER = {"fused": True}
 SCORE_BATCHES, SCORE_SEQ = 6, 10
 # Whole decoder layers (the paper's definition): linears from their inputs and output gradients, norm weights by a
 # local replay of the module with its own parameters gathered.
@@ -46,6 +54,26 @@ def build_model() -> torch.nn.Module:
     config.lora_dropout = 0.0
     model = get_peft_model(tiny_llama(num_layers=4, seed=0, intermediate_size=INTERMEDIATE), config)
     make_stiefel(model, init_a="gaussian", generator=torch.Generator().manual_seed(0))
+    return model.train()
+
+
+def build_moe_model() -> torch.nn.Module:
+    """FoRA's adapter on layers MOE_LAYERS of a tiny Qwen3-MoE, as FoRASFTTrainer builds it."""
+    from fora_plugin import FoRAConfig
+    from fora_plugin.wiring import FoRASelection, init_fora_adapters, restrict_lora_config
+
+    base = tiny_moe(num_experts=MOE_EXPERTS)
+    config = LoraConfig(
+        r=MOE_RANK,
+        lora_alpha=2 * MOE_RANK,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=list(EXPERT_PARAMETERS),
+    )
+    selection = FoRASelection(MOE_LAYERS, base.config.num_hidden_layers, "model.layers")
+    restrict_lora_config(config, base, selection)
+    model = get_peft_model(base, config)
+    init_fora_adapters(model, selection, FoRAConfig(layers=MOE_LAYERS, init_a="gaussian"), 0)
     return model.train()
 
 
@@ -70,19 +98,40 @@ def full_lora(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 
-def train_deepspeed(bf16: bool) -> dict:
+def counting_host_syncs(optimizer: torch.optim.Optimizer) -> list[int]:
+    """Count the host syncs of every call of ``optimizer.step`` (DeepSpeed calls it once per sub-group)."""
+    from fora_plugin.host_sync import HostSyncCounter
+
+    counts = []
+    step = optimizer.step
+
+    def counted(*args, **kwargs):
+        with HostSyncCounter() as syncs:
+            result = step(*args, **kwargs)
+        counts.append(syncs.count)
+        return result
+
+    optimizer.step = counted
+    return counts
+
+
+def train_deepspeed(bf16: bool, moe: bool = False) -> dict:
     import deepspeed
     import torch.distributed as dist
 
     from fora_plugin.zero import build_zero3_fora_optimizer
 
-    model = build_model()
-    optimizer = build_zero3_fora_optimizer(model, **zero_engine.optimizer_kwargs(), max_grad_norm=MAX_GRAD_NORM)
+    model = build_moe_model() if moe else build_model()
+    extra = MOE_OPTIMIZER if moe else {}
+    optimizer = build_zero3_fora_optimizer(
+        model, **zero_engine.optimizer_kwargs(), **extra, max_grad_norm=MAX_GRAD_NORM
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, zero_engine.schedule)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(bf16)
     )
     optimizer.bind(engine.optimizer)
+    host_syncs = counting_host_syncs(optimizer) if moe else []
     rank = dist.get_rank()
     losses, grad_norms, applied = [], [], []
     for step, batch in enumerate(global_batches()):
@@ -99,7 +148,9 @@ def train_deepspeed(bf16: bool) -> dict:
         losses.append(total.item())
         grad_norms.append(optimizer.last_grad_norm)  # DeepSpeed's, over every group
         applied.append(engine.was_step_applied())
-    uneven = next(p for n, p in engine.module.named_parameters() if f"{UNEVEN}.lora_B" in n)
+    uneven = next((p for n, p in engine.module.named_parameters() if f"{UNEVEN}.lora_B" in n), None)
+    if uneven is None:  # the MoE: its expert lora_B instead
+        uneven = next(p for n, p in engine.module.named_parameters() if "experts.lora_B" in n)
     return {
         "lora": full_lora(engine.module),
         "full_b": [b.clone() for b in optimizer.stiefel_parameters],
@@ -112,6 +163,10 @@ def train_deepspeed(bf16: bool) -> dict:
         "client_steps": optimizer.steps,
         "bytes_gathered": optimizer.bytes_gathered,
         "stiefel_numel": sum(b.numel() for b in optimizer.stiefel_parameters),
+        "cayley_steps": [group["steps"] for group in optimizer.stiefel.param_groups],
+        "num_experts": [group["num_experts"] for group in optimizer.stiefel.param_groups],
+        "qr_period": [group["qr_period"] for group in optimizer.stiefel.param_groups],
+        "host_syncs": host_syncs,
     }
 
 
@@ -175,7 +230,7 @@ def main(out_dir: str) -> None:
     out = Path(out_dir)
     rank = None
     for name in VARIANTS:
-        result = train_deepspeed(bf16=name.endswith("bf16"))
+        result = train_deepspeed(bf16=name.endswith("bf16"), moe=name.endswith("moe"))
         rank = dist.get_rank()
         torch.save(result, out / f"{name}-rank{rank}.pt")
         dist.barrier()

@@ -71,17 +71,18 @@ def lora_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_single_process(
-    build: Callable[[], torch.nn.Module] | None = None, skip_steps: Container[int] = ()
+    build: Callable[[], torch.nn.Module] | None = None, skip_steps: Container[int] = (), **extra_kwargs
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The reference: one process, the whole global batch per step, FoRA's ordinary optimizer and HF's clipping.
 
     ``build`` makes the model (default :func:`build_model`); the steps in ``skip_steps`` are computed and dropped
     (no optimizer or LR-schedule step), as DeepSpeed does with a step whose gradient norm is not finite.
+    ``extra_kwargs`` go to the optimizer with :func:`optimizer_kwargs` (e.g. ``fused=True`` for AdamW).
     """
     from fora_plugin import build_fora_optimizer
 
     model = (build or build_model)()
-    optimizer = build_fora_optimizer(model, **optimizer_kwargs())
+    optimizer = build_fora_optimizer(model, **optimizer_kwargs(), **extra_kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     losses = []
     for step, batch in enumerate(global_batches()):
