@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from .data import read_json
+from .validation import check_ablation_block, check_output_folder
 
 
 RUNS = ("lora", "fg-lora", "stiefel-lora", "fora", "lora-half-rank", "random-k", "dora", "rslora")
@@ -69,17 +70,16 @@ def load_ablation_config(config: str) -> tuple[dict[str, Any], dict[str, Any]]:
             f"{config} has no `ablation:` block: add one with `runs`, `output_dir` and `eval` "
             "(see example_configs/ablation_gemma270m.yaml)."
         )
+    check_ablation_block(block, config, RUNS)
     base = path.resolve().parent
     if not data.get("dataset_name"):
         raise ValueError(f"{config} has no dataset_name: name a local .json/.jsonl file or a `datasets` name.")
     data["dataset_name"] = _resolve(data["dataset_name"], base)
-    evaluation = block.setdefault("eval", {})
+    evaluation = block.get("eval") or {}
+    block["eval"] = evaluation
     for key in ("commonsense_dir", "kl_text"):
         if evaluation.get(key):
             evaluation[key] = _resolve(evaluation[key], base)
-    unknown = [r for r in block.get("runs", RUNS) if r not in RUNS]
-    if unknown:
-        raise ValueError(f"ablation runs {unknown} are unknown; use some of {list(RUNS)}.")
     return data, block
 
 
@@ -129,11 +129,12 @@ def run_ablation(config: str, overrides: list[str]) -> Path:
 
     data, block = load_ablation_config(config)
     out = Path(block.get("output_dir", "outputs/ablation"))
+    check_output_folder(out, "ablation.output_dir")
+    evaluation = block["eval"]
+    held_out = _held_out(evaluation)  # a missing or malformed task file is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
     train_config = out / "train_config.yaml"
     train_config.write_text(yaml.safe_dump(data, sort_keys=False))
-    evaluation = block["eval"]
-    held_out = _held_out(evaluation)
     results = {}
     for name in block.get("runs", RUNS):
         run_dir = out / name

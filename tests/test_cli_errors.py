@@ -75,6 +75,7 @@ class Ctx:
         folder.mkdir(parents=True)
         selection = {"mode": "fora", "source": "fisher", "num_layers": 2, "k": len(chosen), "chosen_layers": chosen}
         (folder / "fora_scores.json").write_text(json.dumps({**selection, "scores": None}))
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
         return str(folder)
 
     def adapter(self, poison: bool = False) -> str:
@@ -147,7 +148,7 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
     (
         "init-lora-weights-is-no-trl-key",
         lambda c: ["train", c.config(), "--lora_init_lora_weights", "pissa"],
-        r"not used by the HfArgumentParser.*init_lora_weights",
+        r"unknown overrides \['--lora_init_lora_weights'\]",
     ),
     ("dora-with-fora", lambda c: ["train", c.config(use_dora=True)], r"use_dora=True"),
     ("all-linear", lambda c: ["train", c.config(lora_target_modules="all-linear")], r"all-linear"),
