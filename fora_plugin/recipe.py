@@ -15,9 +15,11 @@ import os
 from pathlib import Path
 
 from .validation import (
+    NUMBER_KEYS_OF_A_CONFIG,
     check_checkpoint,
     check_known_keys,
     check_model_folder,
+    check_numbers,
     check_output_folder,
     check_target_modules,
     check_text_file,
@@ -96,6 +98,9 @@ def parse_config(config: str, overrides: list[str]):
     keys = {action.dest for action in parser._actions} - {"help"}
     known_as = "the keys of trl's ScriptArguments, SFTConfig and ModelConfig or the fora_* keys (`fora train --help`)"
     check_known_keys([k for k in data if k != "env"], sorted(keys), f"config {config}", "keys", known_as)
+    # The numbers the YAML gives, before TrainingArguments checks a few of them in its own words; values of the
+    # command line are checked once parsed (below), as are YAML strings, which the parser converts.
+    check_numbers({k: v for k, v in data.items() if not isinstance(v, str)}, NUMBER_KEYS_OF_A_CONFIG)
     options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
     given = [token.split("=", 1)[0] for token in overrides if token.startswith("--")]
     # argparse takes an unambiguous prefix of an option too.

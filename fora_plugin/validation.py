@@ -125,7 +125,30 @@ NUMBER_RULES: dict[str, Rule] = {
 }
 
 # The NUMBER_RULES keys each set of arguments holds.
-TRAINING_KEYS = tuple(k for k in NUMBER_RULES if not k.startswith("--") and k not in ("max_examples", "batch_size"))
+LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout")
+TRAINING_KEYS = (
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "gradient_accumulation_steps",
+    "max_steps",
+    "num_train_epochs",
+    "max_length",
+    "warmup_steps",
+    "warmup_ratio",
+    "weight_decay",
+    "max_grad_norm",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "label_smoothing_factor",
+    "logging_steps",
+    "save_steps",
+    "eval_steps",
+    "dataloader_num_workers",
+    "dataset_num_proc",
+    "seed",
+)
+NUMBER_KEYS_OF_A_CONFIG = LORA_KEYS + TRAINING_KEYS
 ABLATION_EVAL_KEYS = ("max_examples", "batch_size", "max_new_tokens", "kl_max_tokens", "eval_loss_examples")
 
 
@@ -154,7 +177,7 @@ def check_numbers(values: Any, keys: Iterable[str], prefix: str = "") -> None:
 
 def check_training_arguments(training_args: Any, model_args: Any) -> None:
     """The numbers of a ``fora train`` config: LoRA (ModelConfig) and training (SFTConfig) keys."""
-    check_numbers(model_args, ("lora_r", "lora_alpha", "lora_dropout"))
+    check_numbers(model_args, LORA_KEYS)
     check_numbers(training_args, TRAINING_KEYS)
 
 
@@ -215,7 +238,7 @@ def check_target_modules(model_path: str, targets: Any, *, trust_remote_code: bo
     absent = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if absent:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})
-        hints = "".join(suggestion(t, leaves).replace("Did you mean", f" For {t!r}, did you mean") for t in absent)
+        hints = "".join(suggestion(t, leaves).replace("Did you mean", f"For {t!r}, did you mean") for t in absent)
         refuse(
             key,
             list(targets),
