@@ -590,3 +590,32 @@ def test_bad_input_gives_exit_2_and_a_message(shared, tmp_path, capsys, monkeypa
     assert re.search(message, line), err
     # A refused run changes nothing that was there: the earlier run's files (and every other file) are unchanged.
     assert snapshot(tmp_path) == before
+
+
+def test_a_run_that_fails_after_scoring_leaves_the_output_folder_as_it_was(shared, tmp_path, monkeypatch, offline):
+    # The case: a run that crashed once training started had already written fora_scores.json/.png for
+    # its new layers next to the earlier run's adapter. Our own failure keeps its traceback (an exception here).
+    from transformers import Trainer
+
+    def crash(self, *args, **kwargs):
+        raise RuntimeError("the disk is full")
+
+    earlier_run(tmp_path / "out")
+    before = snapshot(tmp_path / "out")
+    monkeypatch.setattr(Trainer, "train", crash)
+    with pytest.raises(RuntimeError, match="the disk is full"):
+        main(["train", Ctx(shared, tmp_path).config()])  # Fisher scoring runs, then training fails
+    assert snapshot(tmp_path / "out") == before
+
+
+@pytest.mark.slow
+def test_a_finished_run_writes_the_selection_of_its_adapter_and_fora_report_takes_it(shared, tmp_path, offline):
+    from fora_plugin.report import adapter_report
+
+    out = tmp_path / "out"
+    earlier_run(out)
+    assert main(["train", Ctx(shared, tmp_path).config()]) == 0
+    selection = json.loads((out / "fora_scores.json").read_text())
+    assert selection["chosen_layers"] == adapter_report(out)["adapted_layers"] and selection["scores"] != [1, 2]
+    assert (out / "fora_scores.png").read_bytes() != b"\x89PNG earlier plot"
+    assert main(["report", str(out)]) == 0
