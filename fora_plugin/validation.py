@@ -108,6 +108,10 @@ NUMBER_RULES: dict[str, Rule] = {
     "dataloader_num_workers": _int_at_least(0, "use an int >= 0 (0 = load in the main process)"),
     "dataset_num_proc": _int_at_least(1, "use an int >= 1, or null for one process", "", True),
     "seed": Rule(lambda v: _integer(v) and 0 <= v < 2**32, "use an int in [0, 2**32)"),
+    # --- Axolotl's names of training keys
+    "micro_batch_size": _int_at_least(1, "use an int >= 1 (examples per device and step)"),
+    "sequence_len": _int_at_least(1, "use an int >= 1 (tokens per example; e.g. 2048)"),
+    "num_epochs": Rule(lambda v: _real(v) and v > 0, "use a finite number > 0 (e.g. 3)"),
     # --- `fora eval` / `fora report` flags
     "--max-examples": _int_at_least(1, "use an int >= 1 (examples per task), or leave it out for all", "", True),
     "--batch-size": _int_at_least(1, "use an int >= 1 (prompts generated together)"),
@@ -149,6 +153,25 @@ TRAINING_KEYS = (
     "seed",
 )
 NUMBER_KEYS_OF_A_CONFIG = LORA_KEYS + TRAINING_KEYS
+# An Axolotl YAML's keys, checked when it enables the plugin (unset = None = Axolotl's default).
+AXOLOTL_KEYS = LORA_KEYS + (
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "sequence_len",
+    "num_epochs",
+    "max_steps",
+    "warmup_steps",
+    "warmup_ratio",
+    "weight_decay",
+    "max_grad_norm",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "logging_steps",
+    "save_steps",
+    "eval_steps",
+    "seed",
+)
 ABLATION_EVAL_KEYS = ("max_examples", "batch_size", "max_new_tokens", "kl_max_tokens", "eval_loss_examples")
 
 
