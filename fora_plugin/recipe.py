@@ -22,6 +22,7 @@ from .validation import (
     check_numbers,
     check_output_folder,
     check_target_modules,
+    check_target_parameters,
     check_text_file,
     check_training_arguments,
 )
@@ -78,12 +79,14 @@ def _unique_key_loader(config: str):
     return UniqueKeyLoader
 
 
-def parse_config(config: str, overrides: list[str]):
+def parse_config(config: str, overrides: list[str], *, shown_as: str | None = None):
     """(ScriptArguments, SFTConfig, ModelConfig, FoRAConfig) from a YAML file and command-line overrides.
 
     Unknown keys (in the YAML or on the command line) are refused with the closest known key; a value the parser
-    refuses (a choice, a type) is reported as one line naming the key, not with the whole usage.
+    refuses (a choice, a type) is reported as one line naming the key, not with the whole usage. ``shown_as``: the
+    file the messages name (``fora ablate`` parses a config it derived from the user's).
     """
+    name = shown_as or config
     from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
     from .config import FoRAArguments
@@ -91,13 +94,13 @@ def parse_config(config: str, overrides: list[str]):
     class ConfigParser(TrlParser):
         def error(self, message: str):
             # argparse would print the usage of every key (~150 lines) and exit.
-            raise ValueError(f"config {config}: {message}. `fora train --help` lists the keys and their values.")
+            raise ValueError(f"config {name}: {message}. `fora train --help` lists the keys and their values.")
 
     data = load_yaml_config(config)  # its syntax and shape, with the file and line of a mistake
     parser = ConfigParser((ScriptArguments, SFTConfig, ModelConfig, FoRAArguments))
     keys = {action.dest for action in parser._actions} - {"help"}
     known_as = "the keys of trl's ScriptArguments, SFTConfig and ModelConfig or the fora_* keys (`fora train --help`)"
-    check_known_keys([k for k in data if k != "env"], sorted(keys), f"config {config}", "keys", known_as)
+    check_known_keys([k for k in data if k != "env"], sorted(keys), f"config {name}", "keys", known_as)
     # The numbers the YAML gives, before TrainingArguments checks a few of them in its own words; values of the
     # command line are checked once parsed (below), as are YAML strings, which the parser converts.
     check_numbers({k: v for k, v in data.items() if not isinstance(v, str)}, NUMBER_KEYS_OF_A_CONFIG)
@@ -113,9 +116,9 @@ def parse_config(config: str, overrides: list[str]):
     except (ValueError, TypeError) as error:
         # The argument classes' own checks (TrainingArguments' consistency checks): about what the config or the
         # command line says.
-        if str(error).startswith(f"config {config}: "):
+        if str(error).startswith(f"config {name}: "):
             raise
-        raise ValueError(f"config {config}: {error}") from error
+        raise ValueError(f"config {name}: {error}") from error
     check_training_arguments(training_args, model_args)
     return script_args, training_args, model_args, fora_args.to_fora_config()
 
@@ -212,6 +215,12 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
         model_args.lora_target_modules,
         trust_remote_code=training_args.trust_remote_code,
         key="lora_target_modules",
+    )
+    check_target_parameters(
+        model_path,
+        model_args.lora_target_parameters,
+        trust_remote_code=training_args.trust_remote_code,
+        key="lora_target_parameters",
     )
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,

@@ -105,6 +105,7 @@ NUMBER_RULES: dict[str, Rule] = {
     "eval_steps": Rule(
         lambda v: _real(v) and v > 0, "use a number > 0 (an int: steps; a float < 1: a ratio)", optional=True
     ),
+    "save_total_limit": _int_at_least(1, "use an int >= 1 (checkpoints kept), or null to keep all", "", True),
     "dataloader_num_workers": _int_at_least(0, "use an int >= 0 (0 = load in the main process)"),
     "dataset_num_proc": _int_at_least(1, "use an int >= 1, or null for one process", "", True),
     "seed": Rule(lambda v: _integer(v) and 0 <= v < 2**32, "use an int in [0, 2**32)"),
@@ -148,6 +149,7 @@ TRAINING_KEYS = (
     "logging_steps",
     "save_steps",
     "eval_steps",
+    "save_total_limit",
     "dataloader_num_workers",
     "dataset_num_proc",
     "seed",
@@ -270,17 +272,38 @@ def check_target_modules(model_path: str, targets: Any, *, trust_remote_code: bo
         )
 
 
-def _module_names(model_path: str, trust_remote_code: bool) -> tuple[list[str], list[str]]:
-    """(every module name, the linear-like module names) of the model at ``model_path``, built on the meta device."""
+def check_target_parameters(model_path: str, targets: Any, *, trust_remote_code: bool = False, key: str) -> None:
+    """Refuse LoRA target parameter names (fused MoE experts) that the model at ``model_path`` does not have."""
+    if not targets or isinstance(targets, str) or not Path(model_path, "config.json").is_file():
+        return
+    parameters = dict(_meta_model(model_path, trust_remote_code).named_parameters())
+    absent = [t for t in targets if not any(n == t or n.endswith("." + t) for n in parameters)]
+    if absent:
+        # The 3-D parameters are the fused experts that target_parameters is for, named here within their layer.
+        fused = sorted({n.split(".layers.")[-1].split(".", 1)[-1] for n, p in parameters.items() if p.dim() >= 3})
+        refuse(
+            key,
+            list(targets),
+            f"the model has no parameter named {absent} (its fused expert parameters are {fused or 'none'})",
+            "Use names like those, or target_modules for linear layers.",
+        )
+
+
+def _meta_model(model_path: str, trust_remote_code: bool):
+    """The model at ``model_path`` built from its config.json on the meta device: its structure, no weights read."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .fisher import is_linear_like
-
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    modules = dict(model.named_modules())
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def _module_names(model_path: str, trust_remote_code: bool) -> tuple[list[str], list[str]]:
+    """(every module name, the linear-like module names) of the model at ``model_path``, built on the meta device."""
+    from .fisher import is_linear_like
+
+    modules = dict(_meta_model(model_path, trust_remote_code).named_modules())
     return list(modules), [n for n, m in modules.items() if n and is_linear_like(m)]
 
 

@@ -555,6 +555,26 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
         r"ablation\.eval\.max_examples=-5 is invalid",
     ),
     (
+        "eval-base-unreachable",
+        lambda c: ["eval", "--base", "no-such-org/no-such-model", "--wikitext", c.file("w.txt", "ab")],
+        r"--base 'no-such-org/no-such-model' could not be loaded",
+    ),
+    (
+        "eval-adapter-not-an-adapter",
+        lambda c: c.eval("--adapter", str(c.tmp / "tasks")),
+        r"--adapter='.*tasks' is invalid: it is not a PEFT adapter folder",
+    ),
+    (
+        "ablate-training-key-out-of-range",
+        lambda c: ["ablate", ablation_config(c, {"runs": ["lora"]}), "--lora_dropout", "1.5"],
+        r"lora_dropout=1\.5 is invalid",
+    ),
+    (
+        "ablate-unknown-training-key",
+        lambda c: ["ablate", c.file("grid.yaml", yaml.safe_dump({**c.base(), "lora_rank": 4, "ablation": {}}))],
+        r"config .*grid\.yaml has unknown keys \['lora_rank'\]",
+    ),
+    (
         "ablate-output-dir-is-a-file",
         lambda c: ["ablate", ablation_config(c, {"runs": ["lora"], "output_dir": c.file("grid.txt", "x")})],
         r"ablation\.output_dir='.*grid\.txt' is a file",

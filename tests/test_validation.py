@@ -8,7 +8,7 @@ import os
 import re
 
 import pytest
-from conftest import TARGETS, char_tokenizer, tiny_llama
+from conftest import EXPERT_PARAMETERS, TARGETS, char_tokenizer, tiny_llama, tiny_moe
 
 from fora_plugin.validation import (
     NUMBER_RULES,
@@ -20,6 +20,7 @@ from fora_plugin.validation import (
     check_output_folder,
     check_selection_matches_adapter,
     check_target_modules,
+    check_target_parameters,
 )
 
 
@@ -45,6 +46,7 @@ EDGES = {
     "logging_steps": ([1, 0.1], [0, -1]),
     "save_steps": ([1], [0]),
     "eval_steps": ([None, 5], [0]),
+    "save_total_limit": ([None, 1], [0, -1]),
     "dataloader_num_workers": ([0, 4], [-1]),
     "dataset_num_proc": ([None, 1], [0]),
     "seed": ([0, 2**32 - 1], [-1, 2**32]),
@@ -184,3 +186,10 @@ def test_completions_all_empty_refused_some_empty_warned():
     check_completions(
         Dataset.from_list([{"prompt": messages, "completion": [{"role": "assistant", "content": "x"}]}]), "d"
     )
+
+
+def test_target_parameters_are_checked_against_the_models_parameters(tmp_path):
+    tiny_moe(2).save_pretrained(tmp_path)
+    check_target_parameters(str(tmp_path), EXPERT_PARAMETERS, key="lora_target_parameters")
+    with pytest.raises(ValueError, match=r"no parameter named \['mlp.experts.gate_proj'\] \(its fused expert par"):
+        check_target_parameters(str(tmp_path), ["mlp.experts.gate_proj"], key="lora_target_parameters")
