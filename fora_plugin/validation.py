@@ -42,11 +42,13 @@ def refuse(key: str, value: Any, accepted: str, fix: str = "") -> NoReturn:
 
 
 # ------------------------------------------------------------------------------------------------------ numbers
-def _real(value: Any) -> bool:
+def is_real(value: Any) -> bool:
+    """A finite int or float (not a bool: YAML's `true` is not 1)."""
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _integer(value: Any) -> bool:
+def is_integer(value: Any) -> bool:
+    """An int (not a bool)."""
     return not isinstance(value, bool) and isinstance(value, int)
 
 
@@ -62,13 +64,12 @@ class Rule:
 
 
 def _int_at_least(minimum: int, accepted: str = "", fix: str = "", optional: bool = False) -> Rule:
-    return Rule(lambda v: _integer(v) and v >= minimum, accepted or f"use an int >= {minimum}", fix, optional)
+    return Rule(lambda v: is_integer(v) and v >= minimum, accepted or f"use an int >= {minimum}", fix, optional)
 
 
-def _probability(upper_open: bool, accepted: str, fix: str = "") -> Rule:
-    if upper_open:
-        return Rule(lambda v: _real(v) and 0 <= v < 1, accepted, fix)
-    return Rule(lambda v: _real(v) and 0 <= v <= 1, accepted, fix)
+def _below_one(accepted: str) -> Rule:
+    """A probability or decay rate in [0, 1)."""
+    return Rule(lambda v: is_real(v) and 0 <= v < 1, accepted)
 
 
 # key -> Rule. Keys are as the user writes them: SFTConfig/ModelConfig keys, `fora eval`/`fora report` flags (with
@@ -77,42 +78,42 @@ NUMBER_RULES: dict[str, Rule] = {
     # --- LoRA (ModelConfig)
     "lora_r": _int_at_least(1, "use an int >= 1, the LoRA rank (e.g. 16)"),
     "lora_alpha": Rule(
-        lambda v: _real(v) and v > 0,
+        lambda v: is_real(v) and v > 0,
         "use a finite number > 0 (e.g. 2 * lora_r)",
         "lora_alpha scales ΔW = (lora_alpha / r) B A: at 0 the adapter does nothing, below 0 it flips its sign.",
     ),
-    "lora_dropout": _probability(True, "use a probability in [0, 1) (e.g. 0.05)"),
+    "lora_dropout": _below_one("use a probability in [0, 1) (e.g. 0.05)"),
     # --- training (SFTConfig / TrainingArguments)
     "per_device_train_batch_size": _int_at_least(1, "use an int >= 1 (examples per device and step)"),
     "per_device_eval_batch_size": _int_at_least(1, "use an int >= 1 (examples per device and step)"),
     "gradient_accumulation_steps": _int_at_least(1, "use an int >= 1 (1 = no accumulation)"),
     "max_steps": Rule(
-        lambda v: _integer(v) and (v == -1 or v >= 1),
+        lambda v: is_integer(v) and (v == -1 or v >= 1),
         "use an int >= 1, or -1 to train num_train_epochs epochs",
     ),
-    "num_train_epochs": Rule(lambda v: _real(v) and v > 0, "use a finite number > 0 (e.g. 3)"),
+    "num_train_epochs": Rule(lambda v: is_real(v) and v > 0, "use a finite number > 0 (e.g. 3)"),
     "max_length": _int_at_least(1, "use an int >= 1 (tokens per example; e.g. 1024), or null for no limit", "", True),
-    "warmup_steps": Rule(lambda v: _real(v) and v >= 0, "use a number >= 0 (an int: steps; a float < 1: a ratio)"),
-    "warmup_ratio": Rule(lambda v: _real(v) and 0 <= v <= 1, "use a fraction in [0, 1]", optional=True),
-    "weight_decay": Rule(lambda v: _real(v) and v >= 0, "use a finite number >= 0 (e.g. 0.0 or 0.01)"),
-    "max_grad_norm": Rule(lambda v: _real(v) and v >= 0, "use a finite number >= 0 (e.g. 1.0; 0 = no clipping)"),
-    "adam_beta1": _probability(True, "use a float in [0, 1) (e.g. 0.9)"),
-    "adam_beta2": _probability(True, "use a float in [0, 1) (e.g. 0.999)"),
-    "adam_epsilon": Rule(lambda v: _real(v) and v >= 0, "use a finite number >= 0 (e.g. 1e-8)"),
-    "label_smoothing_factor": _probability(True, "use a float in [0, 1) (0 = no smoothing)"),
-    "logging_steps": Rule(lambda v: _real(v) and v > 0, "use a number > 0 (an int: steps; a float < 1: a ratio)"),
-    "save_steps": Rule(lambda v: _real(v) and v > 0, "use a number > 0 (an int: steps; a float < 1: a ratio)"),
+    "warmup_steps": Rule(lambda v: is_real(v) and v >= 0, "use a number >= 0 (an int: steps; a float < 1: a ratio)"),
+    "warmup_ratio": Rule(lambda v: is_real(v) and 0 <= v <= 1, "use a fraction in [0, 1]", optional=True),
+    "weight_decay": Rule(lambda v: is_real(v) and v >= 0, "use a finite number >= 0 (e.g. 0.0 or 0.01)"),
+    "max_grad_norm": Rule(lambda v: is_real(v) and v >= 0, "use a finite number >= 0 (e.g. 1.0; 0 = no clipping)"),
+    "adam_beta1": _below_one("use a float in [0, 1) (e.g. 0.9)"),
+    "adam_beta2": _below_one("use a float in [0, 1) (e.g. 0.999)"),
+    "adam_epsilon": Rule(lambda v: is_real(v) and v >= 0, "use a finite number >= 0 (e.g. 1e-8)"),
+    "label_smoothing_factor": _below_one("use a float in [0, 1) (0 = no smoothing)"),
+    "logging_steps": Rule(lambda v: is_real(v) and v > 0, "use a number > 0 (an int: steps; a float < 1: a ratio)"),
+    "save_steps": Rule(lambda v: is_real(v) and v > 0, "use a number > 0 (an int: steps; a float < 1: a ratio)"),
     "eval_steps": Rule(
-        lambda v: _real(v) and v > 0, "use a number > 0 (an int: steps; a float < 1: a ratio)", optional=True
+        lambda v: is_real(v) and v > 0, "use a number > 0 (an int: steps; a float < 1: a ratio)", optional=True
     ),
     "save_total_limit": _int_at_least(1, "use an int >= 1 (checkpoints kept), or null to keep all", "", True),
     "dataloader_num_workers": _int_at_least(0, "use an int >= 0 (0 = load in the main process)"),
     "dataset_num_proc": _int_at_least(1, "use an int >= 1, or null for one process", "", True),
-    "seed": Rule(lambda v: _integer(v) and 0 <= v < 2**32, "use an int in [0, 2**32)"),
+    "seed": Rule(lambda v: is_integer(v) and 0 <= v < 2**32, "use an int in [0, 2**32)"),
     # --- Axolotl's names of training keys
     "micro_batch_size": _int_at_least(1, "use an int >= 1 (examples per device and step)"),
     "sequence_len": _int_at_least(1, "use an int >= 1 (tokens per example; e.g. 2048)"),
-    "num_epochs": Rule(lambda v: _real(v) and v > 0, "use a finite number > 0 (e.g. 3)"),
+    "num_epochs": Rule(lambda v: is_real(v) and v > 0, "use a finite number > 0 (e.g. 3)"),
     # --- `fora eval` / `fora report` flags
     "--max-examples": _int_at_least(1, "use an int >= 1 (examples per task), or leave it out for all", "", True),
     "--batch-size": _int_at_least(1, "use an int >= 1 (prompts generated together)"),
@@ -430,7 +431,7 @@ def check_adapter_folder(path: str | os.PathLike, key: str) -> dict[str, Any]:
         found = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
         refuse(key, str(path), f"it holds a {found} adapter, not LoRA", "Give a LoRA adapter folder.")
     for name in ("r", "lora_alpha"):
-        if not (_real(config.get(name)) and config[name] > 0):
+        if not (is_real(config.get(name)) and config[name] > 0):
             refuse(f"{key} {ADAPTER_CONFIG} {name}", config.get(name), "use a number > 0", "Save the adapter again.")
     if weights.suffix != ".safetensors":
         return config
