@@ -111,8 +111,8 @@ def adapter_report(adapter_dir: str | Path) -> dict[str, Any]:
             "mean_normalised_spectrum": normalised.mean(dim=0).tolist(),
         }
     layers = sorted({m["layer"] for m in modules if m["layer"] is not None})
-    check_selection_matches_adapter(adapter_dir, layers)
     scores_file = Path(adapter_dir) / "fora_scores.json"
+    check_selection_matches_adapter(scores_file, layers)
     return {
         "adapter": str(adapter_dir),
         "r": config["r"],

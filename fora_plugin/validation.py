@@ -459,15 +459,14 @@ def check_adapter_folder(path: str | os.PathLike, key: str) -> dict[str, Any]:
     return config
 
 
-def check_selection_matches_adapter(folder: str | os.PathLike, adapted_layers: list[int]) -> None:
-    """Refuse a ``fora_scores.json`` whose chosen layers are not the layers the adapter's weights are on.
+def check_selection_matches_adapter(selection_file: str | os.PathLike, adapted_layers: list[int]) -> None:
+    """Refuse a selection file (``fora_scores.json``) whose chosen layers are not the layers the adapter next to it
+    is on.
 
     The selection files of one run next to the adapter of another (a failed later run's, a copied folder) would
     plot and report the wrong chosen layers.
     """
-    from .wiring import SCORES_FILE, SCORES_PLOT
-
-    file = Path(folder) / SCORES_FILE
+    file = Path(selection_file)
     if not file.is_file() or not adapted_layers:
         return
     try:
@@ -480,9 +479,9 @@ def check_selection_matches_adapter(folder: str | os.PathLike, adapted_layers: l
         ) from None
     if chosen != sorted(adapted_layers):
         raise ValueError(
-            f"{file} says layers {chosen} were chosen, but the adapter in {folder} is on layers "
-            f"{sorted(adapted_layers)}: the selection files belong to another run. Remove {SCORES_FILE} and "
-            f"{SCORES_PLOT} there (or run `fora score` with this run's config to write them again)."
+            f"{file} says layers {chosen} were chosen, but the adapter in {file.parent} is on layers "
+            f"{sorted(adapted_layers)}: the selection files belong to another run. Remove {file.name} and "
+            f"{file.with_suffix('.png').name} there (or run `fora score` with this run's config to write them again)."
         )
 
 

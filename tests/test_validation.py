@@ -168,11 +168,12 @@ def test_adapter_config_must_match_the_weights_ranks(tmp_path):
 
 
 def test_selection_must_be_the_adapters_layers(tmp_path):
-    check_selection_matches_adapter(tmp_path, [0, 1])  # no selection file: nothing to compare
-    (tmp_path / "fora_scores.json").write_text(json.dumps({"chosen_layers": [1, 0]}))
-    check_selection_matches_adapter(tmp_path, [0, 1])
+    file = tmp_path / "fora_scores.json"
+    check_selection_matches_adapter(file, [0, 1])  # no selection file: nothing to compare
+    file.write_text(json.dumps({"chosen_layers": [1, 0]}))
+    check_selection_matches_adapter(file, [0, 1])
     with pytest.raises(ValueError, match=r"says layers \[0, 1\] were chosen, but the adapter .* is on layers \[2\]"):
-        check_selection_matches_adapter(tmp_path, [2])
+        check_selection_matches_adapter(file, [2])
 
 
 def test_completions_all_empty_refused_some_empty_warned():
