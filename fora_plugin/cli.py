@@ -232,8 +232,6 @@ def _check_files(*flags: tuple[str, str | None]) -> None:
 
 def _check_eval_inputs(args: argparse.Namespace) -> list[str]:
     """Everything `fora eval` is given, checked before the model loads; returns the commonsense tasks."""
-    from .models import resolve_model_path
-
     check_eval_arguments(args)
     _check_files(("--wikitext", args.wikitext), ("--mt-bench", args.mt_bench))
     check_output_folder(args.output, "--output")
@@ -252,8 +250,7 @@ def _check_eval_inputs(args: argparse.Namespace) -> list[str]:
         check_text_file(args.wikitext, "--wikitext")
     if args.adapter:
         check_adapter_folder(args.adapter, "--adapter")
-    if not args.base.endswith(".gguf"):
-        check_model_folder(resolve_model_path(args.base), "--base")
+    check_model_folder(args.base, "--base")  # a local folder (a hub name, a .gguf: when loaded)
     return tasks
 
 
@@ -343,10 +340,8 @@ def report(args: argparse.Namespace) -> int:
     out = Path(args.output or args.adapter)
     check_output_folder(out, "--output")
     if args.kl_text:
-        from .models import resolve_model_path
-
         check_text_file(args.kl_text, "--kl-text")
-        check_model_folder(resolve_model_path(args.base), "--base")
+        check_model_folder(args.base, "--base")
     out.mkdir(parents=True, exist_ok=True)
     kl = None
     if args.kl_text:
