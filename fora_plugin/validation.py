@@ -260,16 +260,18 @@ def check_target_modules(model_path: str, targets: Any, *, trust_remote_code: bo
             f"Give a list: `{key}: [{', '.join(parts)}]` in the YAML, or `--{key} {' '.join(parts)}` on the command "
             "line.",
         )
-    names, linear = _module_names(model_path, trust_remote_code)
+    names, linear, in_layers = _module_names(model_path, trust_remote_code)
     absent = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if absent:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})
+        # Suggested: the decoder layers' linears (FoRA adapts decoder layers; lm_head is rarely a LoRA target).
+        suggested = sorted({n.rsplit(".", 1)[-1] for n in in_layers}) or leaves
         hints = "".join(suggestion(t, leaves).replace("Did you mean", f"For {t!r}, did you mean") for t in absent)
         refuse(
             key,
             list(targets),
             f"the model has no module named {absent} (its linear modules are {leaves})",
-            f"Use some of those, e.g. {key}: [{', '.join(leaves)}].{hints}",
+            f"Use some of those, e.g. {key}: [{', '.join(suggested)}].{hints}",
         )
 
 
@@ -300,12 +302,16 @@ def _meta_model(model_path: str, trust_remote_code: bool):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
-def _module_names(model_path: str, trust_remote_code: bool) -> tuple[list[str], list[str]]:
-    """(every module name, the linear-like module names) of the model at ``model_path``, built on the meta device."""
-    from .fisher import is_linear_like
+def _module_names(model_path: str, trust_remote_code: bool) -> tuple[list[str], list[str], list[str]]:
+    """(every module name, the linear-like module names, those inside the decoder layers) of the model at
+    ``model_path``, built on the meta device."""
+    from .fisher import find_decoder_layers, is_linear_like
 
-    modules = dict(_meta_model(model_path, trust_remote_code).named_modules())
-    return list(modules), [n for n, m in modules.items() if n and is_linear_like(m)]
+    model = _meta_model(model_path, trust_remote_code)
+    modules = dict(model.named_modules())
+    linear = [n for n, m in modules.items() if n and is_linear_like(m)]
+    prefix, _ = find_decoder_layers(model)
+    return list(modules), linear, [n for n in linear if n.startswith(prefix + ".")]
 
 
 # ------------------------------------------------------------------------------------------------------- paths
