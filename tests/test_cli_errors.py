@@ -317,8 +317,8 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
         lambda c: ["train", c.config(lora_target_modules=["q_proj", "qkv_proj"])],
         r"lora_target_modules=\['q_proj', 'qkv_proj'\] is invalid: the model has no module named \['qkv_proj'\] "
         r"\(its linear modules are \['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', "
-        r"'v_proj'\]\)\. Use some of those, e.g\. lora_target_modules: \[down_proj, gate_proj, k_proj, o_proj, q_proj, "
-        r"up_proj, v_proj\]\. For 'qkv_proj', did you mean v_proj\?",
+        r"'v_proj'\]\)\. Use some of those, e\.g\. lora_target_modules: \[down_proj, gate_proj, k_proj, o_proj, "
+        r"q_proj, up_proj, v_proj\]\. For 'qkv_proj', did you mean v_proj\?",
     ),
     ("lora-r-zero", lambda c: ["train", c.config(), "--lora_r", "0"], r"lora_r=0 is invalid: use an int >= 1"),
     ("lora-r-negative", lambda c: ["score", c.config(lora_r=-4)], r"lora_r=-4 is invalid"),
