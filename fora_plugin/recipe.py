@@ -14,6 +14,19 @@ import logging
 import os
 from pathlib import Path
 
+from .validation import (
+    NUMBER_KEYS_OF_A_CONFIG,
+    check_checkpoint,
+    check_known_keys,
+    check_model_folder,
+    check_numbers,
+    check_output_folder,
+    check_target_modules,
+    check_target_parameters,
+    check_text_file,
+    check_training_arguments,
+)
+
 
 logger = logging.getLogger(__name__)
 
@@ -22,14 +35,16 @@ _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 def load_yaml_config(config: str) -> dict:
-    """The mapping a YAML config holds; a missing file, a syntax error (file, line) or a non-mapping is refused."""
+    """The mapping a YAML config holds; a missing file, a syntax error (file, line), a key given twice (both lines)
+    or a non-mapping is refused."""
     import yaml
 
     path = Path(config)
     if not path.is_file():
         raise ValueError(f"config={config!r} is not a file: pass a YAML config, e.g. example_configs/quickstart.yaml.")
+    text = check_text_file(path, "config")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(text, Loader=_unique_key_loader(config))  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -43,33 +58,74 @@ def load_yaml_config(config: str) -> dict:
     return data
 
 
-def parse_config(config: str, overrides: list[str]):
-    """(ScriptArguments, SFTConfig, ModelConfig, FoRAConfig) from a YAML file and command-line overrides."""
+def _unique_key_loader(config: str):
+    """A SafeLoader that refuses a mapping holding the same key twice (YAML would silently keep the last)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise ValueError(
+                        f"config {config} sets {key!r} twice, on lines {seen[key]} and {line}: YAML would silently "
+                        "keep the second. Keep one of them."
+                    )
+                seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
+def parse_config(config: str, overrides: list[str], *, shown_as: str | None = None):
+    """(ScriptArguments, SFTConfig, ModelConfig, FoRAConfig) from a YAML file and command-line overrides.
+
+    Unknown keys (in the YAML or on the command line) are refused with the closest known key; a value the parser
+    refuses (a choice, a type) is reported as one line naming the key, not with the whole usage. ``shown_as``: the
+    file the messages name (``fora ablate`` parses a config it derived from the user's).
+    """
+    name = shown_as or config
     from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
     from .config import FoRAArguments
 
-    load_yaml_config(config)  # its syntax and shape, with the file and line of a mistake
-    parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig, FoRAArguments))
+    class ConfigParser(TrlParser):
+        def error(self, message: str):
+            # argparse would print the usage of every key (~150 lines) and exit.
+            raise ValueError(f"config {name}: {message}. `fora train --help` lists the keys and their values.")
+
+    data = load_yaml_config(config)  # its syntax and shape, with the file and line of a mistake
+    parser = ConfigParser((ScriptArguments, SFTConfig, ModelConfig, FoRAArguments))
+    keys = {action.dest for action in parser._actions} - {"help"}
+    known_as = "the keys of trl's ScriptArguments, SFTConfig and ModelConfig or the fora_* keys (`fora train --help`)"
+    check_known_keys([k for k in data if k != "env"], sorted(keys), f"config {name}", "keys", known_as)
+    # The numbers the YAML gives, before TrainingArguments checks a few of them in its own words; values of the
+    # command line are checked once parsed (below), as are YAML strings, which the parser converts.
+    check_numbers({k: v for k, v in data.items() if not isinstance(v, str)}, NUMBER_KEYS_OF_A_CONFIG)
+    options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    given = [token.split("=", 1)[0] for token in overrides if token.startswith("--")]
+    # argparse takes an unambiguous prefix of an option too.
+    unknown = [g for g in given if not any(o.startswith(g) for o in options)]
+    check_known_keys(unknown, options, "the command line", "overrides", known_as.replace("keys", "--keys", 1))
     try:
         script_args, training_args, model_args, fora_args = parser.parse_args_and_config(
             ["--config", config, *overrides]
         )
     except (ValueError, TypeError) as error:
-        # The parser and the argument classes' own checks (unknown keys, TrainingArguments' consistency checks):
-        # all about what the config or the command line says.
-        raise ValueError(f"config {config} (with overrides {overrides}): {error}") from error
+        # The argument classes' own checks (TrainingArguments' consistency checks): about what the config or the
+        # command line says.
+        if str(error).startswith(f"config {name}: "):
+            raise
+        raise ValueError(f"config {name}: {error}") from error
+    check_training_arguments(training_args, model_args)
     return script_args, training_args, model_args, fora_args.to_fora_config()
 
 
 def check_output_dir(output_dir: str) -> None:
-    """Refuse an ``output_dir`` that exists as something other than a folder, before anything is computed."""
-    path = Path(output_dir).expanduser()
-    if path.exists() and not path.is_dir():
-        raise ValueError(
-            f"output_dir={output_dir!r} is a file, not a folder: the adapter, checkpoints and fora_scores.json go "
-            "into a folder. Give a new or existing folder's path."
-        )
+    """Refuse an ``output_dir`` that is a file or cannot be written, before anything is computed."""
+    check_output_folder(output_dir, "output_dir")
 
 
 def check_deepspeed_launch(deepspeed, fora_config) -> None:
@@ -130,6 +186,7 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
     if script_args.dataset_name is None:
         raise ValueError("The config has no dataset_name: name a local .json/.jsonl file or a `datasets` name.")
     check_output_dir(training_args.output_dir)
+    check_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     check_deepspeed_launch(training_args.deepspeed, fora_config)
     # FoRA is a LoRA method: the LoRA keys (lora_r, lora_alpha, lora_target_modules, ...) always apply.
     model_args.use_peft = True
@@ -151,6 +208,20 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
             base_dir=config_dir,
         )
     model_path = resolve_model_path(model_args.model_name_or_path)
+    check_model_folder(model_path)
+    # Against the model (built on the meta device from its config) before PEFT wraps it.
+    check_target_modules(
+        model_path,
+        model_args.lora_target_modules,
+        trust_remote_code=training_args.trust_remote_code,
+        key="lora_target_modules",
+    )
+    check_target_parameters(
+        model_path,
+        model_args.lora_target_parameters,
+        trust_remote_code=training_args.trust_remote_code,
+        key="lora_target_parameters",
+    )
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,

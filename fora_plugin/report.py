@@ -24,20 +24,19 @@ from torch import nn
 from .diagnostics import delta_w_singular_values, effective_rank
 from .evaluation import eval_mode
 from .stiefel import orthogonality_error
+from .validation import check_adapter_folder, check_selection_matches_adapter
 
 
 def load_adapter_pairs(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """The adapter's config and ``{module name: (A (r, d_in), B (d_out, r))}`` from its safetensors file."""
     adapter_dir = Path(adapter_dir)
-    config_file, weights_file = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
-    if not config_file.is_file() or not weights_file.is_file():
+    weights_file = adapter_dir / "adapter_model.safetensors"
+    if not weights_file.is_file():
         raise ValueError(
             f"{adapter_dir} is not a PEFT adapter folder: it needs adapter_config.json and "
             "adapter_model.safetensors (what save_pretrained / fora train write)."
         )
-    config = json.loads(config_file.read_text())
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"{adapter_dir} holds a {config.get('peft_type')} adapter; fora report reads LoRA adapters.")
+    config = check_adapter_folder(adapter_dir, "adapter")  # a LoRA config that matches the weights' ranks
     tensors = load_file(weights_file)
     broken = [key for key, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if broken:
@@ -113,6 +112,7 @@ def adapter_report(adapter_dir: str | Path) -> dict[str, Any]:
         }
     layers = sorted({m["layer"] for m in modules if m["layer"] is not None})
     scores_file = Path(adapter_dir) / "fora_scores.json"
+    check_selection_matches_adapter(scores_file, layers)
     return {
         "adapter": str(adapter_dir),
         "r": config["r"],

@@ -57,7 +57,6 @@ from .wiring import (
     choose_layers,
     format_selection_table,
     readapt_lora,
-    write_selection,
 )
 from .zero import (
     STIEFEL_STATE_FILE,
@@ -382,7 +381,8 @@ class FoRASFTTrainer(SFTTrainer):
         self.add_callback(SaveSelectionCallback(selection))
         self.add_callback(DivergenceMonitor())
         if self.is_world_process_zero():
-            write_selection(selection, self.args.output_dir)
+            # The files follow when training ends (SaveSelectionCallback): a failed run leaves output_dir as it was.
+            print(format_selection_table(selection))
 
     def fora_score(self, peft_config: LoraConfig | None = None) -> FisherScores:
         """Fisher scores of the base model (LoRA adapters disabled) on the trainer's own batches and loss."""

@@ -145,7 +145,11 @@ def choose_layers(
     if fora.scores_path is not None:
         saved = FoRASelection.read(fora.scores_path)
         if saved.get("scores") is None or len(saved["scores"]) != num_layers:
-            raise ValueError(f"scores_path={fora.scores_path!r} holds no scores for {num_layers} layers.")
+            held = "no scores" if saved.get("scores") is None else f"scores for {len(saved['scores'])} layers"
+            raise ValueError(
+                f"scores_path={fora.scores_path!r} holds {held}, but this model has {num_layers} decoder layers: "
+                "give the fora_scores.json of a run on this model, or leave scores_path unset to score again."
+            )
         scores = _saved_scores(saved, prefix)
         chosen = select_layers(scores.scores, k, strategy=fora.layer_strategy, seed=seed)
         return FoRASelection(chosen, num_layers, prefix, scores=scores, source="scores_path", mode=fora.mode)
@@ -342,14 +346,20 @@ def _lora_parameter_count(target: nn.Module | torch.Tensor, r: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------- reports
-def write_selection(selection: FoRASelection, output_dir: str | Path) -> None:
-    """``fora_scores.json`` and ``fora_scores.png`` in ``output_dir``, and the table on stdout."""
+def write_selection(selection: FoRASelection, output_dir: str | Path, *, table: bool = True) -> None:
+    """``fora_scores.json`` and ``fora_scores.png`` in ``output_dir``, and (``table``) the table on stdout.
+
+    Written when the run's outputs are: at the end of training (:class:`SaveSelectionCallback`), or by ``fora
+    score``, whose output they are. A run that fails or is refused before that leaves an earlier run's files as they
+    were.
+    """
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / SCORES_FILE).write_text(json.dumps(selection.to_dict(), indent=2))
     scores = selection.scores.scores if selection.scores else None
     plot_fisher_scores(out / SCORES_PLOT, scores, selection.chosen, selection.num_layers)
-    print(format_selection_table(selection))
+    if table:
+        print(format_selection_table(selection))
 
 
 def format_selection_table(selection: FoRASelection) -> str:
@@ -378,7 +388,9 @@ def checkpoint_folder(args, state) -> Path:
 
 
 class SaveSelectionCallback(TrainerCallback):
-    """Every checkpoint carries the selection, so a resume adapts the same layers without scoring again.
+    """Every checkpoint carries the selection, so a resume adapts the same layers without scoring again; the output
+    folder gets ``fora_scores.json``/``.png`` once training has finished (not before: a failed run must not replace
+    an earlier run's selection next to that run's adapter).
 
     Written wherever HF writes the checkpoint (``args.should_save``): the main process, or with
     ``save_on_each_node`` each node's local main process, so a node without a shared filesystem can resume too.
@@ -392,6 +404,11 @@ class SaveSelectionCallback(TrainerCallback):
             folder = checkpoint_folder(args, state)
             folder.mkdir(parents=True, exist_ok=True)
             (folder / SCORES_FILE).write_text(json.dumps(self.selection.to_dict(), indent=2))
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if args.should_save:  # where save_model writes the adapter
+            write_selection(self.selection, args.output_dir, table=False)
         return control
 
 

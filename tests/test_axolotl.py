@@ -476,3 +476,24 @@ def test_the_entry_point_name_stops_the_run_with_the_dotted_name(workspace):
     line = "plugins: [fora] cannot be loaded: Axolotl 0.21 loads plugins by their dotted path. Write plugins: [{}]."
     assert line.format(PLUGIN_NAME) in output.splitlines()
     assert "Traceback" not in output and not (workspace / "short").exists()
+
+
+# Issue 21: what Axolotl itself takes without a check, refused by the plugin's args when the YAML enables it.
+USER_INPUT_REFUSED = [
+    ({"lora_r": 0}, r"lora_r=0 is invalid: use an int >= 1"),
+    ({"lora_alpha": 0}, r"lora_alpha=0 is invalid: .*the adapter does nothing"),
+    ({"lora_dropout": 1.5}, r"lora_dropout=1.5 is invalid: use a probability in \[0, 1\)"),
+    ({"micro_batch_size": 0}, r"micro_batch_size=0 is invalid"),
+    ({"lora_target_modules": ["q_proj", "qkv_proj"]}, r"the model has no module named \['qkv_proj'\]"),
+    ({"lora_target_modules": "q_proj,v_proj"}, r"'q_proj,v_proj' is one name holding several"),
+    ({"fora_scores_path": "/nonexistent/fora_scores.json"}, r"fora_scores_path='/nonexistent/fora_scores\.json'"),
+    ({"output_dir": "/proc/fora-read-only/out"}, r"output_dir='/proc/fora-read-only/out' is invalid: .* not writable"),
+]
+
+
+@pytest.mark.parametrize(("settings", "match"), USER_INPUT_REFUSED)
+def test_user_input_axolotl_takes_unchecked_is_refused_by_name(workspace, settings, match):
+    with pytest.raises(ValidationError, match=match):
+        validate(workspace, **settings)
+    with pytest.raises(ValidationError, match=match):
+        validate(workspace, **settings, fora_mode="lora")  # a mistake in any mode

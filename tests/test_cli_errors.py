@@ -7,6 +7,7 @@ before any model is loaded; the few that need a model use the one tiny folder of
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +64,13 @@ class Ctx:
         data.update(changes)
         return self.file("config.yaml", yaml.safe_dump(data))
 
+    def latin1(self, name: str) -> str:
+        """A file of Alpaca rows in Latin-1 (é is the byte 0xe9, not UTF-8)."""
+        rows = json.dumps([{"instruction": "café", "output": "é"}], ensure_ascii=False)
+        path = self.tmp / name
+        path.write_bytes(rows.encode("latin-1"))
+        return str(path)
+
     def file(self, name: str, text: str) -> str:
         path = self.tmp / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -75,10 +83,13 @@ class Ctx:
         folder.mkdir(parents=True)
         selection = {"mode": "fora", "source": "fisher", "num_layers": 2, "k": len(chosen), "chosen_layers": chosen}
         (folder / "fora_scores.json").write_text(json.dumps({**selection, "scores": None}))
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
         return str(folder)
 
-    def adapter(self, poison: bool = False) -> str:
-        """A saved PEFT LoRA adapter of the tiny model; ``poison`` puts a NaN into one lora_B."""
+    def adapter(self, poison: bool = False, config_r: int | None = None, selection: list[int] | None = None) -> str:
+        """A saved PEFT LoRA adapter of the tiny model (r = 2, both layers); ``poison`` puts a NaN into one lora_B,
+        ``config_r`` writes another r into its adapter_config.json, ``selection`` a fora_scores.json choosing those
+        layers."""
         import torch
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
@@ -89,8 +100,53 @@ class Ctx:
         if poison:
             with torch.no_grad():
                 next(p for n, p in model.named_parameters() if "lora_B" in n)[0, 0] = float("nan")
-        model.save_pretrained(self.tmp / "adapter")
-        return str(self.tmp / "adapter")
+        folder = self.tmp / "adapter"
+        model.save_pretrained(folder)
+        if config_r is not None:
+            config = json.loads((folder / "adapter_config.json").read_text())
+            (folder / "adapter_config.json").write_text(json.dumps({**config, "r": config_r}))
+        if selection is not None:
+            chosen = {"mode": "fora", "source": "fisher", "num_layers": 2, "k": len(selection), "scores": None}
+            (folder / "fora_scores.json").write_text(json.dumps({**chosen, "chosen_layers": selection}))
+        return str(folder)
+
+    def model_folder(self, config: bool = True) -> str:
+        """A model folder with (or without) the tiny model's config.json and its tokenizer, but no weights."""
+        folder = self.tmp / "half_model"
+        char_tokenizer().save_pretrained(folder)
+        if config:
+            (folder / "config.json").write_text((self.shared / "model" / "config.json").read_text())
+        return str(folder)
+
+    def read_only_output(self) -> str:
+        """An output_dir under a folder nobody can write to (chmod for a user; /proc's root for root)."""
+        if os.geteuid() == 0:
+            return "/proc/fora-read-only/out"
+        folder = self.tmp / "locked"
+        folder.mkdir()
+        folder.chmod(0o555)
+        return str(folder / "out")
+
+    def eval(self, *flags: str) -> list[str]:
+        """`fora eval` on the tiny model with one commonsense task, plus ``flags``."""
+        task = Path(self.file("tasks/boolq/test.json", json.dumps([{"instruction": "x", "answer": "true"}])))
+        base = ["eval", "--base", str(self.shared / "model"), "--commonsense-dir", str(task.parents[1])]
+        return [*base, "--tasks", "boolq", *flags]
+
+
+def earlier_run(folder: Path) -> None:
+    """What an earlier, finished run left in ``folder``: every row's output folder starts with these files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    selection = {"mode": "fora", "source": "fisher", "num_layers": 2, "k": 1, "chosen_layers": [1], "scores": [1, 2]}
+    (folder / "fora_scores.json").write_text(json.dumps(selection))
+    (folder / "fora_scores.png").write_bytes(b"\x89PNG earlier plot")
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    (folder / "adapter_model.safetensors").write_bytes(b"earlier weights")
+    (folder / "results.json").write_text("{}")
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def ds_config(ctx: Ctx, stage: int, **extra) -> str:
@@ -147,7 +203,7 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
     (
         "init-lora-weights-is-no-trl-key",
         lambda c: ["train", c.config(), "--lora_init_lora_weights", "pissa"],
-        r"not used by the HfArgumentParser.*init_lora_weights",
+        r"unknown overrides \['--lora_init_lora_weights'\]",
     ),
     ("dora-with-fora", lambda c: ["train", c.config(use_dora=True)], r"use_dora=True"),
     ("all-linear", lambda c: ["train", c.config(lora_target_modules="all-linear")], r"all-linear"),
@@ -254,17 +310,333 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
         r"grid\.yaml is not valid YAML",
     ),
     ("ablate-unknown-run", lambda c: ["ablate", ablation_config(c, {"runs": ["lora", "qlora2"]})], r"qlora2"),
+    # ---------------------------------------------------------------- issue 21: bad input, second round
+    # regressions: PEFT's errors reached the user as tracebacks
+    (
+        "target-module-absent",
+        lambda c: ["train", c.config(lora_target_modules=["q_proj", "qkv_proj"])],
+        r"lora_target_modules=\['q_proj', 'qkv_proj'\] is invalid: the model has no module named \['qkv_proj'\] "
+        r"\(its linear modules are \['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', "
+        r"'v_proj'\]\)\. Use some of those, e\.g\. lora_target_modules: \[down_proj, gate_proj, k_proj, o_proj, "
+        r"q_proj, up_proj, v_proj\]\. For 'qkv_proj', did you mean v_proj\?",
+    ),
+    ("lora-r-zero", lambda c: ["train", c.config(), "--lora_r", "0"], r"lora_r=0 is invalid: use an int >= 1"),
+    ("lora-r-negative", lambda c: ["score", c.config(lora_r=-4)], r"lora_r=-4 is invalid"),
+    (
+        "target-modules-one-string-cli",
+        lambda c: ["train", c.config(drop=("lora_target_modules",)), "--lora_target_modules", "q_proj,v_proj"],
+        r"lora_target_modules='q_proj,v_proj' is invalid: .*one name holding several.*\[q_proj, v_proj\]",
+    ),
+    (
+        "target-modules-one-string-yaml",
+        lambda c: ["train", c.config(lora_target_modules="q_proj, v_proj")],
+        r"lora_target_modules='q_proj, v_proj' is invalid: .*`lora_target_modules: \[q_proj, v_proj\]`",
+    ),
+    # silent or empty results
+    (
+        "resume-from-adapter-folder",
+        lambda c: ["train", c.config(), "--resume_from_checkpoint", c.adapter()],
+        r"resume_from_checkpoint='.*adapter' is invalid: it is a saved adapter, not a checkpoint: it has no "
+        r"trainer_state\.json",
+    ),
+    (
+        "resume-folder-missing",
+        lambda c: ["train", c.config(), "--resume_from_checkpoint", str(c.tmp / "out" / "checkpoint-9")],
+        r"resume_from_checkpoint='.*checkpoint-9' is invalid: no such folder",
+    ),
+    ("lora-alpha-zero", lambda c: ["train", c.config(lora_alpha=0)], r"lora_alpha=0 is invalid: .*does nothing"),
+    ("lora-alpha-negative", lambda c: ["train", c.config(), "--lora_alpha", "-8"], r"lora_alpha=-8 is invalid"),
+    ("eval-max-examples-negative", lambda c: c.eval("--max-examples", "-5"), r"--max-examples=-5 is invalid"),
+    ("eval-max-examples-zero", lambda c: c.eval("--max-examples", "0"), r"--max-examples=0 is invalid"),
+    (
+        "report-config-rank-mismatch",
+        lambda c: ["report", c.adapter(config_r=8)],
+        r"adapter adapter_config\.json r=8 is invalid: the weights of 10 modules have another rank .*rank 2, the "
+        r"config says 8",
+    ),
+    (
+        "eval-adapter-rank-mismatch",
+        lambda c: c.eval("--adapter", c.adapter(config_r=8)),
+        r"--adapter adapter_config\.json r=8 is invalid",
+    ),
+    (
+        "dataset-all-completions-empty",
+        lambda c: [
+            "train",
+            c.config(dataset_name=c.file("blank.json", json.dumps([{**r, "output": ""} for r in ROWS]))),
+        ],
+        r"dataset_name='.*blank\.json' is invalid: all 16 rows have an empty 'completion'",
+    ),
+    (
+        "dataset-all-completions-blank-jsonl",
+        lambda c: [
+            "score",
+            c.config(dataset_name=c.file("pc.jsonl", '{"prompt": "a", "completion": " "}\n' * 3)),
+        ],
+        r"pc\.jsonl' is invalid: all 3 rows have an empty 'completion'",
+    ),
+    (
+        "yaml-duplicate-key",
+        lambda c: ["train", c.file("twice.yaml", Path(c.config()).read_text() + "lora_r: 4\n")],
+        r"twice\.yaml sets 'lora_r' twice, on lines \d+ and \d+",
+    ),
+    ("ablate-runs-empty-list", lambda c: ["ablate", ablation_config(c, {"runs": []})], r"ablation\.runs=\[\]"),
+    (
+        "ablate-runs-left-empty",
+        lambda c: [
+            "ablate",
+            c.file("grid.yaml", Path(ablation_config(c, {"runs": ["lora"]})).read_text().replace("- lora", "")),
+        ],
+        r"ablation\.runs=None is invalid: give a non-empty list of runs",
+    ),
+    # tracebacks that are now messages
+    (
+        "output-dir-read-only",
+        lambda c: ["train", c.config(output_dir=c.read_only_output())],
+        r"output_dir='.*out' is invalid: .* is not writable",
+    ),
+    (
+        "model-folder-without-weights",
+        lambda c: ["train", c.config(model_name_or_path=c.model_folder())],
+        r"model_name_or_path='.*half_model' is invalid: the folder has config\.json but no weights",
+    ),
+    (
+        "model-folder-without-config",
+        lambda c: ["score", c.config(model_name_or_path=c.model_folder(config=False))],
+        r"model_name_or_path='.*half_model' is invalid: the folder has no config\.json",
+    ),
+    (
+        "dataset-not-utf8",
+        lambda c: ["train", c.config(dataset_name=c.latin1("latin.json"))],
+        r"dataset_name='.*latin\.json' is invalid: the file is not UTF-8 text \(byte 0xe9 on line 1",
+    ),
+    (
+        "dataset-empty-list",
+        lambda c: ["train", c.config(dataset_name=c.file("none.json", "[]"))],
+        r"dataset_name='.*none\.json' is invalid: the file holds '\[\]', no rows",
+    ),
+    (
+        "dataset-name-unreachable",
+        lambda c: ["score", c.config(dataset_name="no-such-org/no-such-data")],
+        r"dataset_name='no-such-org/no-such-data' is neither a local file or folder nor a dataset the hub could give",
+    ),
+    # unclear messages
+    (
+        "mode-one-line-labelled",
+        lambda c: ["train", c.config(), "--fora_mode", "foraa"],
+        r"^fora train: error: config .*: argument --fora_mode\S*: invalid choice: 'foraa' \(choose from 'fora', ",
+    ),
+    (
+        "unknown-yaml-key-suggests-the-key",
+        lambda c: ["train", c.config(lerning_rate=0.1)],
+        r"unknown keys \['lerning_rate'\].*did you mean learning_rate\?",
+    ),
+    (
+        "unknown-override-without-the-list",
+        lambda c: ["train", c.config(), "--learning_rate", "1e-4", "--fora_layer_budgett", "2"],
+        r"^(?!.*learning_rate).*unknown overrides \['--fora_layer_budgett'\].*did you mean --fora_layer_budget\?$",
+    ),
+    (
+        "scores-path-other-layer-count",
+        lambda c: ["train", c.config(fora_scores_path=c.file("s8.json", json.dumps({"scores": [1.0] * 8})))],
+        r"holds scores for 8 layers, but this model has 2 decoder layers",
+    ),
+    # out-of-range sizes and probabilities (training)
+    ("lora-dropout-one", lambda c: ["train", c.config(lora_dropout=1.0)], r"lora_dropout=1\.0 is invalid"),
+    ("batch-size-zero", lambda c: ["train", c.config(per_device_train_batch_size=0)], r"batch_size=0 is invalid"),
+    (
+        "grad-accumulation-zero",
+        lambda c: ["train", c.config(), "--gradient_accumulation_steps", "0"],
+        r"gradient_accumulation_steps=0 is invalid",
+    ),
+    ("max-steps-zero", lambda c: ["train", c.config(max_steps=0)], r"max_steps=0 is invalid"),
+    (
+        "epochs-zero",
+        lambda c: ["train", c.config(max_steps=-1, num_train_epochs=0)],
+        r"num_train_epochs=0 is invalid",
+    ),
+    ("max-length-zero", lambda c: ["train", c.config(max_length=0)], r"max_length=0 is invalid"),
+    ("weight-decay-negative", lambda c: ["train", c.config(weight_decay=-0.1)], r"weight_decay=-0\.1 is invalid"),
+    ("max-grad-norm-nan", lambda c: ["train", c.config(), "--max_grad_norm", "nan"], r"max_grad_norm=nan is invalid"),
+    ("adam-beta1-one", lambda c: ["train", c.config(adam_beta1=1.0)], r"adam_beta1=1\.0 is invalid"),
+    ("adam-beta2-negative", lambda c: ["train", c.config(adam_beta2=-0.5)], r"adam_beta2=-0\.5 is invalid"),
+    ("adam-epsilon-negative", lambda c: ["train", c.config(adam_epsilon=-1e-8)], r"adam_epsilon=-1e-08 is invalid"),
+    ("warmup-steps-negative", lambda c: ["train", c.config(warmup_steps=-3)], r"warmup_steps=-3 is invalid"),
+    (
+        "label-smoothing-over-one",
+        lambda c: ["train", c.config(label_smoothing_factor=1.5)],
+        r"label_smoothing_factor=1\.5 is invalid",
+    ),
+    ("logging-steps-zero", lambda c: ["train", c.config(logging_steps=0)], r"logging_steps=0 is invalid"),
+    ("seed-negative", lambda c: ["train", c.config(seed=-1)], r"seed=-1 is invalid"),
+    ("workers-negative", lambda c: ["train", c.config(dataloader_num_workers=-1)], r"num_workers=-1 is invalid"),
+    # out-of-range sizes (evaluation), and eval/report/ablate paths
+    ("eval-batch-size-zero", lambda c: c.eval("--batch-size", "0"), r"--batch-size=0 is invalid"),
+    ("eval-max-new-tokens-zero", lambda c: c.eval("--max-new-tokens", "0"), r"--max-new-tokens=0 is invalid"),
+    (
+        "eval-ppl-stride-zero",
+        lambda c: [
+            "eval",
+            "--base",
+            str(c.shared / "model"),
+            "--wikitext",
+            c.file("w.txt", "ab"),
+            "--ppl-stride",
+            "0",
+        ],
+        r"--ppl-stride=0 is invalid",
+    ),
+    (
+        "eval-ppl-stride-over-window",
+        lambda c: [
+            "eval",
+            "--base",
+            str(c.shared / "model"),
+            "--wikitext",
+            c.file("w.txt", "ab"),
+            "--ppl-max-length",
+            "16",
+            "--ppl-stride",
+            "32",
+        ],
+        r"--ppl-stride=32 is invalid: the stride must be at most --ppl-max-length \(16\)",
+    ),
+    (
+        "eval-ppl-max-tokens-zero",
+        lambda c: [
+            "eval",
+            "--base",
+            str(c.shared / "model"),
+            "--wikitext",
+            c.file("w.txt", "ab"),
+            "--ppl-max-tokens",
+            "0",
+        ],
+        r"--ppl-max-tokens=0 is invalid",
+    ),
+    (
+        "eval-output-is-a-file",
+        lambda c: c.eval("--output", c.file("res.txt", "x")),
+        r"--output='.*res\.txt' is a file",
+    ),
+    (
+        "eval-base-without-weights",
+        lambda c: ["eval", "--base", c.model_folder(), "--wikitext", c.file("w.txt", "ab")],
+        r"--base='.*half_model' is invalid: the folder has config\.json but no weights",
+    ),
+    (
+        "eval-tasks-empty",
+        lambda c: c.eval("--tasks", ","),
+        r"--tasks=',' is invalid: name at least one task",
+    ),
+    (
+        "eval-wikitext-not-utf8",
+        lambda c: ["eval", "--base", str(c.shared / "model"), "--wikitext", c.latin1("w.txt")],
+        r"--wikitext='.*w\.txt' is invalid: the file is not UTF-8",
+    ),
+    ("report-kl-max-tokens-zero", lambda c: ["report", c.adapter(), "--kl-max-tokens", "0"], r"--kl-max-tokens=0"),
+    (
+        "report-output-is-a-file",
+        lambda c: ["report", c.adapter(), "--output", c.file("r.txt", "x")],
+        r"--output='.*r\.txt' is a file",
+    ),
+    (
+        "report-selection-disagrees-with-adapter",
+        lambda c: ["report", c.adapter(selection=[1])],
+        r"fora_scores\.json says layers \[1\] were chosen, but the adapter in .* is on layers \[0, 1\]",
+    ),
+    (
+        "ablate-eval-batch-size-zero",
+        lambda c: ["ablate", ablation_config(c, {"runs": ["lora"], "eval": {"batch_size": 0}})],
+        r"ablation\.eval\.batch_size=0 is invalid",
+    ),
+    (
+        "ablate-eval-max-examples-negative",
+        lambda c: ["ablate", ablation_config(c, {"runs": ["lora"], "eval": {"max_examples": -5}})],
+        r"ablation\.eval\.max_examples=-5 is invalid",
+    ),
+    (
+        "eval-base-unreachable",
+        lambda c: ["eval", "--base", "no-such-org/no-such-model", "--wikitext", c.file("w.txt", "ab")],
+        r"--base 'no-such-org/no-such-model' could not be loaded",
+    ),
+    (
+        "eval-adapter-not-an-adapter",
+        lambda c: c.eval("--adapter", str(c.tmp / "tasks")),
+        r"--adapter='.*tasks' is invalid: it is not a PEFT adapter folder",
+    ),
+    (
+        "ablate-training-key-out-of-range",
+        lambda c: ["ablate", ablation_config(c, {"runs": ["lora"]}), "--lora_dropout", "1.5"],
+        r"lora_dropout=1\.5 is invalid",
+    ),
+    (
+        "ablate-unknown-training-key",
+        lambda c: ["ablate", c.file("grid.yaml", yaml.safe_dump({**c.base(), "lora_rank": 4, "ablation": {}}))],
+        r"config .*grid\.yaml has unknown keys \['lora_rank'\]",
+    ),
+    (
+        "ablate-output-dir-is-a-file",
+        lambda c: ["ablate", ablation_config(c, {"runs": ["lora"], "output_dir": c.file("grid.txt", "x")})],
+        r"ablation\.output_dir='.*grid\.txt' is a file",
+    ),
 ]
 
 
+@pytest.fixture
+def offline(monkeypatch):
+    """No hub: a dataset name that is not a local file fails at once instead of after network retries."""
+    import datasets
+    import huggingface_hub
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
 @pytest.mark.parametrize("build, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_gives_exit_2_and_a_message(shared, tmp_path, capsys, build, message):
+def test_bad_input_gives_exit_2_and_a_message(shared, tmp_path, capsys, monkeypatch, offline, build, message):
+    monkeypatch.chdir(tmp_path)  # `fora eval`'s default --output (outputs/eval) lands in the row's scratch folder
+    earlier_run(tmp_path / "out")  # the config's output_dir holds an earlier run
     argv = build(Ctx(shared, tmp_path))
+    before = snapshot(tmp_path)
     try:
         code = main(argv)
-    except SystemExit as exit_:  # argparse's own refusals (choices) exit with 2 too
+    except SystemExit as exit_:
         code = exit_.code
     err = capsys.readouterr().err
     assert code == 2, f"exit code {code} for {argv}; stderr:\n{err}"
-    assert "Traceback" not in err
-    assert re.search(message, err, flags=re.DOTALL), err
+    assert "Traceback" not in err and "usage:" not in err and "fail_with_unknown_args" not in err, err
+    (line,) = [x for x in err.splitlines() if ": error: " in x]  # one line says what is wrong
+    assert line.startswith(f"fora {argv[0]}: error: "), line
+    assert re.search(message, line), err
+    # A refused run changes nothing that was there: the earlier run's files (and every other file) are unchanged.
+    assert snapshot(tmp_path) == before
+
+
+def test_a_run_that_fails_after_scoring_leaves_the_output_folder_as_it_was(shared, tmp_path, monkeypatch, offline):
+    # The issue's case: a run that crashed once training started had already written fora_scores.json/.png for
+    # its new layers next to the earlier run's adapter. Our own failure keeps its traceback (an exception here).
+    from transformers import Trainer
+
+    def crash(self, *args, **kwargs):
+        raise RuntimeError("the disk is full")
+
+    earlier_run(tmp_path / "out")
+    before = snapshot(tmp_path / "out")
+    monkeypatch.setattr(Trainer, "train", crash)
+    with pytest.raises(RuntimeError, match="the disk is full"):
+        main(["train", Ctx(shared, tmp_path).config()])  # Fisher scoring runs, then training fails
+    assert snapshot(tmp_path / "out") == before
+
+
+@pytest.mark.slow
+def test_a_finished_run_writes_the_selection_of_its_adapter_and_fora_report_takes_it(shared, tmp_path, offline):
+    from fora_plugin.report import adapter_report
+
+    out = tmp_path / "out"
+    earlier_run(out)
+    assert main(["train", Ctx(shared, tmp_path).config()]) == 0
+    selection = json.loads((out / "fora_scores.json").read_text())
+    assert selection["chosen_layers"] == adapter_report(out)["adapted_layers"] and selection["scores"] != [1, 2]
+    assert (out / "fora_scores.png").read_bytes() != b"\x89PNG earlier plot"
+    assert main(["report", str(out)]) == 0

@@ -107,3 +107,58 @@ def test_yaml_and_overrides_through_trls_parser(tmp_path):
         parser.parse_args_and_config(["--config", str(path), "--fora_lr_stiefel", "nan"])[-1].to_fora_config()
     with pytest.raises(SystemExit):
         parser.parse_args_and_config(["--config", str(path), "--fora_mode", "nope"])
+
+
+def _yaml(tmp_path, text: str) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    from fora_plugin.recipe import load_yaml_config
+
+    config = _yaml(tmp_path, "lora_r: 16\nlora_alpha: 32\nlora_r: 4\n")
+    with pytest.raises(ValueError, match=r"c\.yaml sets 'lora_r' twice, on lines 1 and 3"):
+        load_yaml_config(config)
+    nested = _yaml(tmp_path, "ablation:\n  runs: [lora]\n  runs: [fora]\n")
+    with pytest.raises(ValueError, match=r"sets 'runs' twice, on lines 2 and 3"):
+        load_yaml_config(nested)
+
+
+def test_parse_config_names_unknown_keys_with_the_closest_known_one_and_no_list(tmp_path):
+    from fora_plugin.recipe import parse_config
+
+    config = _yaml(tmp_path, f"output_dir: {tmp_path}\nlerning_rate: 0.1\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['lerning_rate'\].*did you mean learning_rate\?$") as info:
+        parse_config(config, [])
+    assert "fail_with_unknown_args" not in str(info.value) and "max_steps" not in str(info.value)
+    config = _yaml(tmp_path, f"output_dir: {tmp_path}\n")
+    with pytest.raises(ValueError, match=r"unknown overrides \['--fora_layer_budgett'\]") as info:
+        parse_config(config, ["--max_steps", "3", "--fora_layer_budgett", "2"])
+    assert "max_steps" not in str(info.value)
+
+
+def test_parse_config_reports_a_bad_choice_in_one_line_without_the_usage(tmp_path):
+    from fora_plugin.recipe import parse_config
+
+    config = _yaml(tmp_path, f"output_dir: {tmp_path}\n")
+    with pytest.raises(ValueError, match=r"argument --fora_mode\S*: invalid choice: 'foraa'") as info:
+        parse_config(config, ["--fora_mode", "foraa"])
+    assert "usage" not in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "overrides", "message"),
+    [
+        ("lora_r: 0\n", [], r"lora_r=0 is invalid"),
+        ("", ["--lora_alpha", "0"], r"lora_alpha=0 is invalid: .*the adapter does nothing"),
+        ("warmup_steps: -3\n", [], r"warmup_steps=-3 is invalid"),  # before TrainingArguments' own wording
+        ("", ["--per_device_train_batch_size", "0"], r"per_device_train_batch_size=0 is invalid"),
+    ],
+)
+def test_parse_config_checks_the_numbers(tmp_path, yaml_text, overrides, message):
+    from fora_plugin.recipe import parse_config
+
+    with pytest.raises(ValueError, match=message):
+        parse_config(_yaml(tmp_path, f"output_dir: {tmp_path}\nbf16: false\n{yaml_text}"), overrides)

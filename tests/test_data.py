@@ -198,3 +198,42 @@ def test_read_json_names_the_file_and_line_of_a_mistake(tmp_path):
     (tmp_path / "bad.json").write_text('[\n  {"a": 1},\n  {"a" 2}\n]')
     with pytest.raises(ValueError, match=r"bad\.json is not valid JSON: .* at line 3, column 8"):
         read_json(tmp_path / "bad.json")
+
+
+def test_a_file_that_is_not_utf8_is_refused_naming_it_and_the_line(tmp_path):
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(
+        '{"instruction": "a", "output": "b"}\n{"instruction": "caf\u00e9", "output": "c"}\n'.encode("latin-1")
+    )
+    with pytest.raises(
+        ValueError, match=r"latin\.jsonl' is invalid: the file is not UTF-8 text \(byte 0xe9 on line 2"
+    ):
+        load_train_dataset(str(path))
+
+
+@pytest.mark.parametrize("text", ["[]", "{}", "  \n\n"])
+def test_a_file_without_rows_is_refused(tmp_path, text):
+    path = tmp_path / "none.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"none\.json' is invalid: the file (holds .*, no rows|is empty)"):
+        load_train_dataset(str(path))
+
+
+def test_all_empty_completions_are_refused_and_some_are_warned_about(tmp_path):
+    blank = write_json(tmp_path / "blank.json", [{**row, "output": " "} for row in ROWS])
+    with pytest.raises(ValueError, match=r"blank\.json' is invalid: all 2 rows have an empty 'completion'"):
+        load_train_dataset(str(blank))
+    some = write_json(tmp_path / "some.json", [ROWS[0], {**ROWS[1], "output": ""}])
+    with pytest.warns(UserWarning, match=r"some\.json: 1 of 2 rows have an empty 'completion'"):
+        assert len(load_train_dataset(str(some))) == 2
+
+
+def test_a_hub_name_that_cannot_be_reached_is_refused_by_name(monkeypatch):
+    def offline_load_dataset(path, **kwargs):  # what `datasets` raises offline
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr("fora_plugin.data.load_dataset", offline_load_dataset)
+    with pytest.raises(
+        ValueError, match=r"dataset_name='org/nothing' is neither a local file or folder nor a dataset"
+    ):
+        load_train_dataset("org/nothing")

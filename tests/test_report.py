@@ -176,3 +176,26 @@ def test_merged_delta_weight_is_merged_minus_base_for_lora_dora_and_rslora(varia
     assert merged_mean_effective_rank(model) == pytest.approx(sum(ranks) / len(ranks), rel=1e-9)
     if variant.get("use_dora"):  # the magnitude makes ΔW full rank: B·A alone (rank 4) would under-report it
         assert merged_mean_effective_rank(model) > 4.5
+
+
+def test_report_refuses_a_selection_of_other_layers_than_the_adapters(saved_adapter):
+    import json
+
+    adapter_dir, _ = saved_adapter
+    (adapter_dir / "fora_scores.json").write_text(json.dumps({"chosen_layers": [1, 2], "scores": None}))
+    assert adapter_report(adapter_dir)["fora_scores"]["chosen_layers"] == [1, 2]
+    (adapter_dir / "fora_scores.json").write_text(json.dumps({"chosen_layers": [0, 3], "scores": None}))
+    with pytest.raises(
+        ValueError, match=r"says layers \[0, 3\] were chosen, but the adapter .* is on layers \[1, 2\]"
+    ):
+        adapter_report(adapter_dir)
+
+
+def test_report_refuses_a_config_whose_r_is_not_the_weights(saved_adapter):
+    import json
+
+    adapter_dir, _ = saved_adapter
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    (adapter_dir / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
+    with pytest.raises(ValueError, match=r"r=8 is invalid: the weights of 10 modules have another rank .*rank 4"):
+        adapter_report(adapter_dir)

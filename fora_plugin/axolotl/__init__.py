@@ -44,8 +44,8 @@ from ..wiring import (
     SaveSelectionCallback,
     active_lora_config,
     choose_layers,
+    format_selection_table,
     readapt_lora,
-    write_selection,
 )
 from .args import LORA_KERNELS, PLUGIN_NAME, FoRAArgs, fora_config_from, fora_enabled
 
@@ -114,7 +114,8 @@ class FoRAPlugin(BasePlugin):
         readapt_lora(model, selection, fora, seed, autocast_adapter_dtype=autocast)
 
         if trainer.is_world_process_zero():
-            write_selection(selection, trainer.args.output_dir)
+            # The files follow when training ends (SaveSelectionCallback): a failed run leaves output_dir as it was.
+            print(format_selection_table(selection))
         trainer.add_callback(SaveSelectionCallback(selection))
         trainer.add_callback(DivergenceMonitor())
         _use_fora_optimizer(trainer, fora)

@@ -18,6 +18,7 @@ from ..config import PREFIX, FoRAConfig
 from ..fsdp import check_weights_on_every_rank
 from ..optim import check_lr_scheduler_type
 from ..trainer import ADAMW_OPTIMS, check_init_lora_weights, check_learning_rate
+from ..validation import AXOLOTL_KEYS, check_file, check_numbers, check_output_folder, check_target_modules
 from ..zero import check_deepspeed_config, load_deepspeed_config
 
 
@@ -48,9 +49,27 @@ class _FoRAChecks(BaseModel):
     def _check_fora(self):
         cfg = dict(self)
         fora = fora_config_from(cfg)
+        if fora_enabled(cfg):
+            _check_user_input(cfg, fora)
         if fora_enabled(cfg) and fora.mode != "lora":
             _check_axolotl_settings(cfg, fora)
         return self
+
+
+def _check_user_input(cfg: dict[str, Any], fora: FoRAConfig) -> None:
+    """What Axolotl takes without a check and PEFT, transformers or torch later fail on with a traceback (or, for
+    lora_alpha 0, train an adapter that does nothing): the numbers, the target modules against the model's config,
+    the output folder and fora_scores_path."""
+    check_numbers({k: v for k, v in cfg.items() if v is not None}, AXOLOTL_KEYS)
+    base_model = cfg.get("base_model")
+    if cfg.get("adapter") in ("lora", "qlora") and isinstance(base_model, str) and Path(base_model).is_dir():
+        remote = bool(cfg.get("trust_remote_code"))
+        check_target_modules(
+            base_model, cfg.get("lora_target_modules"), trust_remote_code=remote, key="lora_target_modules"
+        )
+    if cfg.get("output_dir"):
+        check_output_folder(str(cfg["output_dir"]), "output_dir")
+    check_file(fora.scores_path, f"{PREFIX}scores_path")
 
 
 def _check_axolotl_settings(cfg: dict[str, Any], fora: FoRAConfig) -> None:

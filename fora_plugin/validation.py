@@ -1,0 +1,579 @@
+"""Up-front checks of what a user gives ``fora`` and the Axolotl plugin: numbers, paths and names.
+
+Every check runs before the libraries see the value (PEFT, TRL, ``datasets``, torch) and before heavy work (the model
+is loaded only after everything that can be checked without it). A refusal is a ``ValueError`` naming the key, the
+value, what is accepted and the fix; the CLI prints it as one line and exits with 2. A library error that still
+reaches a user is a bug of ours: a check belongs here.
+
+The numeric rules are one table, :data:`NUMBER_RULES`, that ``fora train``/``score``/``ablate`` (SFTConfig and
+ModelConfig keys), ``fora eval``/``report`` flags and ``ablation.eval`` read.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+
+# Files that make a folder a model: transformers' weight files, single or sharded.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+# What HF Trainer saves in every checkpoint folder and reads first when resuming.
+TRAINER_STATE = "trainer_state.json"
+
+
+def refuse(key: str, value: Any, accepted: str, fix: str = "") -> NoReturn:
+    """Raise the one form of refusal: ``key=value`` is invalid, what is accepted, and the fix."""
+    raise ValueError(f"{key}={value!r} is invalid: {accepted}." + (f" {fix}" if fix else ""))
+
+
+# ------------------------------------------------------------------------------------------------------ numbers
+def is_real(value: Any) -> bool:
+    """A finite int or float (not a bool: YAML's `true` is not 1)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def is_integer(value: Any) -> bool:
+    """An int (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, int)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a number must be: ``test`` on the value, ``accepted`` in words, ``fix`` when a mistake has a usual cause;
+    ``optional``: None is accepted (the key's "unset")."""
+
+    test: Callable[[Any], bool]
+    accepted: str
+    fix: str = ""
+    optional: bool = False
+
+
+def _int_at_least(minimum: int, accepted: str = "", fix: str = "", optional: bool = False) -> Rule:
+    return Rule(lambda v: is_integer(v) and v >= minimum, accepted or f"use an int >= {minimum}", fix, optional)
+
+
+def _below_one(accepted: str) -> Rule:
+    """A probability or decay rate in [0, 1)."""
+    return Rule(lambda v: is_real(v) and 0 <= v < 1, accepted)
+
+
+# key -> Rule. Keys are as the user writes them: SFTConfig/ModelConfig keys, `fora eval`/`fora report` flags (with
+# dashes), and the `ablation: eval:` keys.
+NUMBER_RULES: dict[str, Rule] = {
+    # --- LoRA (ModelConfig)
+    "lora_r": _int_at_least(1, "use an int >= 1, the LoRA rank (e.g. 16)"),
+    "lora_alpha": Rule(
+        lambda v: is_real(v) and v > 0,
+        "use a finite number > 0 (e.g. 2 * lora_r)",
+        "lora_alpha scales ΔW = (lora_alpha / r) B A: at 0 the adapter does nothing, below 0 it flips its sign.",
+    ),
+    "lora_dropout": _below_one("use a probability in [0, 1) (e.g. 0.05)"),
+    # --- training (SFTConfig / TrainingArguments)
+    "per_device_train_batch_size": _int_at_least(1, "use an int >= 1 (examples per device and step)"),
+    "per_device_eval_batch_size": _int_at_least(1, "use an int >= 1 (examples per device and step)"),
+    "gradient_accumulation_steps": _int_at_least(1, "use an int >= 1 (1 = no accumulation)"),
+    "max_steps": Rule(
+        lambda v: is_integer(v) and (v == -1 or v >= 1),
+        "use an int >= 1, or -1 to train num_train_epochs epochs",
+    ),
+    "num_train_epochs": Rule(lambda v: is_real(v) and v > 0, "use a finite number > 0 (e.g. 3)"),
+    "max_length": _int_at_least(1, "use an int >= 1 (tokens per example; e.g. 1024), or null for no limit", "", True),
+    "warmup_steps": Rule(lambda v: is_real(v) and v >= 0, "use a number >= 0 (an int: steps; a float < 1: a ratio)"),
+    "warmup_ratio": Rule(lambda v: is_real(v) and 0 <= v <= 1, "use a fraction in [0, 1]", optional=True),
+    "weight_decay": Rule(lambda v: is_real(v) and v >= 0, "use a finite number >= 0 (e.g. 0.0 or 0.01)"),
+    "max_grad_norm": Rule(lambda v: is_real(v) and v >= 0, "use a finite number >= 0 (e.g. 1.0; 0 = no clipping)"),
+    "adam_beta1": _below_one("use a float in [0, 1) (e.g. 0.9)"),
+    "adam_beta2": _below_one("use a float in [0, 1) (e.g. 0.999)"),
+    "adam_epsilon": Rule(lambda v: is_real(v) and v >= 0, "use a finite number >= 0 (e.g. 1e-8)"),
+    "label_smoothing_factor": _below_one("use a float in [0, 1) (0 = no smoothing)"),
+    "logging_steps": Rule(lambda v: is_real(v) and v > 0, "use a number > 0 (an int: steps; a float < 1: a ratio)"),
+    "save_steps": Rule(lambda v: is_real(v) and v > 0, "use a number > 0 (an int: steps; a float < 1: a ratio)"),
+    "eval_steps": Rule(
+        lambda v: is_real(v) and v > 0, "use a number > 0 (an int: steps; a float < 1: a ratio)", optional=True
+    ),
+    "save_total_limit": _int_at_least(1, "use an int >= 1 (checkpoints kept), or null to keep all", "", True),
+    "dataloader_num_workers": _int_at_least(0, "use an int >= 0 (0 = load in the main process)"),
+    "dataset_num_proc": _int_at_least(1, "use an int >= 1, or null for one process", "", True),
+    "seed": Rule(lambda v: is_integer(v) and 0 <= v < 2**32, "use an int in [0, 2**32)"),
+    # --- Axolotl's names of training keys
+    "micro_batch_size": _int_at_least(1, "use an int >= 1 (examples per device and step)"),
+    "sequence_len": _int_at_least(1, "use an int >= 1 (tokens per example; e.g. 2048)"),
+    "num_epochs": Rule(lambda v: is_real(v) and v > 0, "use a finite number > 0 (e.g. 3)"),
+    # --- `fora eval` / `fora report` flags
+    "--max-examples": _int_at_least(1, "use an int >= 1 (examples per task), or leave it out for all", "", True),
+    "--batch-size": _int_at_least(1, "use an int >= 1 (prompts generated together)"),
+    "--max-new-tokens": _int_at_least(1, "use an int >= 1 (tokens of each answer)"),
+    "--ppl-max-length": _int_at_least(2, "use an int >= 2 (tokens per perplexity window)"),
+    "--ppl-stride": _int_at_least(1, "use an int >= 1, at most --ppl-max-length"),
+    "--ppl-max-tokens": _int_at_least(2, "use an int >= 2, or leave it out for the whole text", "", True),
+    "--kl-max-tokens": _int_at_least(1, "use an int >= 1 (tokens of the KL text)"),
+    # --- `ablation: eval:` keys of `fora ablate`
+    "max_examples": _int_at_least(1, "use an int >= 1 (examples per task), or leave it out for all", "", True),
+    "batch_size": _int_at_least(1, "use an int >= 1 (prompts generated together)"),
+    "max_new_tokens": _int_at_least(1, "use an int >= 1 (tokens of each answer)"),
+    "kl_max_tokens": _int_at_least(1, "use an int >= 1 (tokens of the KL text)"),
+    "eval_loss_examples": _int_at_least(0, "use an int >= 0 (0 = no held-out loss)"),
+}
+
+# The NUMBER_RULES keys each set of arguments holds.
+LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout")
+TRAINING_KEYS = (
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "gradient_accumulation_steps",
+    "max_steps",
+    "num_train_epochs",
+    "max_length",
+    "warmup_steps",
+    "warmup_ratio",
+    "weight_decay",
+    "max_grad_norm",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "label_smoothing_factor",
+    "logging_steps",
+    "save_steps",
+    "eval_steps",
+    "save_total_limit",
+    "dataloader_num_workers",
+    "dataset_num_proc",
+    "seed",
+)
+NUMBER_KEYS_OF_A_CONFIG = LORA_KEYS + TRAINING_KEYS
+# An Axolotl YAML's keys, checked when it enables the plugin (unset = None = Axolotl's default).
+AXOLOTL_KEYS = LORA_KEYS + (
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "sequence_len",
+    "num_epochs",
+    "max_steps",
+    "warmup_steps",
+    "warmup_ratio",
+    "weight_decay",
+    "max_grad_norm",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "logging_steps",
+    "save_steps",
+    "eval_steps",
+    "seed",
+)
+ABLATION_EVAL_KEYS = ("max_examples", "batch_size", "max_new_tokens", "kl_max_tokens", "eval_loss_examples")
+
+
+def check_number(key: str, value: Any, name: str | None = None) -> None:
+    """Refuse ``value`` unless it passes ``NUMBER_RULES[key]``; the message names it as ``name`` (default: key)."""
+    rule = NUMBER_RULES[key]
+    if value is None and rule.optional:
+        return
+    if not rule.test(value):
+        refuse(name or key, value, rule.accepted, rule.fix)
+
+
+def check_numbers(values: Any, keys: Iterable[str], prefix: str = "") -> None:
+    """``check_number`` on each of ``keys`` that ``values`` (a mapping or an object with attributes) has."""
+    for key in keys:
+        if isinstance(values, Mapping):
+            if key not in values:
+                continue
+            value = values[key]
+        elif hasattr(values, key):
+            value = getattr(values, key)
+        else:
+            continue
+        check_number(key, value, prefix + key)
+
+
+def check_training_arguments(training_args: Any, model_args: Any) -> None:
+    """The numbers of a ``fora train`` config: LoRA (ModelConfig) and training (SFTConfig) keys."""
+    check_numbers(model_args, LORA_KEYS)
+    check_numbers(training_args, TRAINING_KEYS)
+
+
+def check_eval_arguments(args: Any) -> None:
+    """The numbers of ``fora eval``'s flags."""
+    for flag in ("--max-examples", "--batch-size", "--max-new-tokens", "--ppl-max-length", "--ppl-stride"):
+        check_number(flag, getattr(args, flag[2:].replace("-", "_")))
+    check_number("--ppl-max-tokens", args.ppl_max_tokens)
+    if args.ppl_stride > args.ppl_max_length:
+        refuse(
+            "--ppl-stride",
+            args.ppl_stride,
+            f"the stride must be at most --ppl-max-length ({args.ppl_max_length}), or tokens between windows are "
+            "never scored",
+            "Use e.g. --ppl-stride 512 with --ppl-max-length 1024.",
+        )
+
+
+# ---------------------------------------------------------------------------------------------- names and keys
+def suggestion(name: str, known: Iterable[str]) -> str:
+    """' Did you mean X?' for the closest of ``known``, or ''."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    return f" Did you mean {close[0]}?" if close else ""
+
+
+def check_known_keys(given: Iterable[str], known: Iterable[str], where: str, what: str, known_as: str) -> None:
+    """Refuse keys of ``given`` not in ``known`` (``known_as`` says what they are), each with its closest known key;
+    the known keys are not all listed."""
+    known = list(known)
+    unknown = [k for k in given if k not in known]
+    if unknown:
+        hints = "".join(suggestion(k, known).replace("Did you mean", f"For {k}, did you mean") for k in unknown)
+        raise ValueError(f"{where} has unknown {what} {unknown}: they are none of {known_as}.{hints}")
+
+
+def check_target_modules(model_path: str, targets: Any, *, trust_remote_code: bool = False, key: str) -> None:
+    """Refuse LoRA target module names that the model at ``model_path`` (a local folder) does not have.
+
+    The model is built on the meta device from its config.json (no weights are read), before PEFT wraps it. A name
+    matches as PEFT matches it: the module's full name, or its last components after a dot. The message names the
+    model's linear module names and suggests a list.
+    """
+    if isinstance(targets, str) and "," in targets:
+        targets = [targets]  # one YAML string "q_proj,v_proj": PEFT would read it as a regex matching nothing
+    if targets is None or isinstance(targets, str) or not Path(model_path, "config.json").is_file():
+        return  # None / "all-linear" / a regex: PEFT's own rules; a hub name: not checkable offline
+    joined = [t for t in targets if isinstance(t, str) and ("," in t or " " in t.strip())]
+    if joined:
+        parts = [p for t in targets for p in t.replace(",", " ").split()]
+        refuse(
+            key,
+            targets if len(targets) > 1 else targets[0],
+            f"{joined[0]!r} is one name holding several (separated by commas or spaces), and no module is called that",
+            f"Give a list: `{key}: [{', '.join(parts)}]` in the YAML, or `--{key} {' '.join(parts)}` on the command "
+            "line.",
+        )
+    names, linear, in_layers = _module_names(model_path, trust_remote_code)
+    absent = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if absent:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})
+        # Suggested: the decoder layers' linears (FoRA adapts decoder layers; lm_head is rarely a LoRA target).
+        suggested = sorted({n.rsplit(".", 1)[-1] for n in in_layers}) or leaves
+        hints = "".join(suggestion(t, leaves).replace("Did you mean", f"For {t!r}, did you mean") for t in absent)
+        refuse(
+            key,
+            list(targets),
+            f"the model has no module named {absent} (its linear modules are {leaves})",
+            f"Use some of those, e.g. {key}: [{', '.join(suggested)}].{hints}",
+        )
+
+
+def check_target_parameters(model_path: str, targets: Any, *, trust_remote_code: bool = False, key: str) -> None:
+    """Refuse LoRA target parameter names (fused MoE experts) that the model at ``model_path`` does not have."""
+    if not targets or isinstance(targets, str) or not Path(model_path, "config.json").is_file():
+        return
+    parameters = dict(_meta_model(model_path, trust_remote_code).named_parameters())
+    absent = [t for t in targets if not any(n == t or n.endswith("." + t) for n in parameters)]
+    if absent:
+        # The 3-D parameters are the fused experts that target_parameters is for, named here within their layer.
+        fused = sorted({n.split(".layers.")[-1].split(".", 1)[-1] for n, p in parameters.items() if p.dim() >= 3})
+        refuse(
+            key,
+            list(targets),
+            f"the model has no parameter named {absent} (its fused expert parameters are {fused or 'none'})",
+            "Use names like those, or target_modules for linear layers.",
+        )
+
+
+def _meta_model(model_path: str, trust_remote_code: bool):
+    """The model at ``model_path`` built from its config.json on the meta device: its structure, no weights read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def _module_names(model_path: str, trust_remote_code: bool) -> tuple[list[str], list[str], list[str]]:
+    """(every module name, the linear-like module names, those inside the decoder layers) of the model at
+    ``model_path``, built on the meta device."""
+    from .fisher import find_decoder_layers, is_linear_like
+
+    model = _meta_model(model_path, trust_remote_code)
+    modules = dict(model.named_modules())
+    linear = [n for n, m in modules.items() if n and is_linear_like(m)]
+    prefix, _ = find_decoder_layers(model)
+    return list(modules), linear, [n for n in linear if n.startswith(prefix + ".")]
+
+
+# ------------------------------------------------------------------------------------------------------- paths
+def check_output_folder(path: str | os.PathLike, key: str) -> None:
+    """Refuse an output folder that is a file, or that cannot be created or written to, before any work.
+
+    Writability is tried, not guessed from permission bits (which say nothing for root or read-only mounts): an
+    unnamed temporary file in the folder, or in its nearest existing parent, which leaves no trace.
+    """
+    folder = Path(path).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(
+            f"{key}={str(path)!r} is a file, not a folder: the outputs (adapter, checkpoints, fora_scores.json, "
+            "results) go into a folder. Give a new or existing folder's path."
+        )
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        refuse(key, str(path), f"{existing} is a file, so no folder can be made under it", "Give a folder's path.")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        refuse(
+            key,
+            str(path),
+            f"{existing} is not writable ({error.strerror or error})",
+            "Give a folder you can write to, or fix its permissions.",
+        )
+
+
+def check_file(path: str | os.PathLike | None, key: str) -> None:
+    """Refuse a path that is not an existing file."""
+    if path is not None and not Path(path).is_file():
+        refuse(key, str(path), "it is not a file", "Give the path of an existing file.")
+
+
+def check_model_folder(path: str, key: str = "model_name_or_path") -> None:
+    """Refuse a local model folder without config.json or without weights, naming what it holds."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return  # a hub name (or a .gguf, resolved elsewhere)
+    if not (folder / "config.json").is_file():
+        refuse(
+            key,
+            path,
+            f"the folder has no config.json (it holds {_listing(folder)})",
+            "Give a Hugging Face model folder (config.json, the weights and the tokenizer).",
+        )
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        refuse(
+            key,
+            path,
+            f"the folder has config.json but no weights (none of {list(WEIGHT_FILES)}; it holds {_listing(folder)})",
+            "Save the model there with save_pretrained, or point to the folder that holds its weights.",
+        )
+
+
+def _listing(folder: Path, limit: int = 8) -> str:
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        return "nothing"
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} entries)" if len(names) > limit else "")
+
+
+def check_checkpoint(value: Any, output_dir: str, key: str = "resume_from_checkpoint") -> None:
+    """Refuse a ``resume_from_checkpoint`` that is not a checkpoint folder (one holding ``trainer_state.json``).
+
+    ``true`` needs a checkpoint-N folder in ``output_dir``; a path must be such a folder, not, say, a finished
+    run's adapter folder (which HF Trainer would fail on after the model loaded and FoRA wrote its selection).
+    """
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if value in (None, False, "", "false", "False"):
+        return
+    if value in (True, "true", "True"):
+        if not (os.path.isdir(output_dir) and get_last_checkpoint(output_dir)):
+            raise ValueError(
+                f"{key}=True but output_dir {output_dir} holds no checkpoint (no checkpoint-N folder) to resume: "
+                "drop resume_from_checkpoint to start a new run, or give a checkpoint folder's path."
+            )
+        return
+    folder = Path(str(value)).expanduser()
+    if not folder.is_dir():
+        refuse(key, str(value), "no such folder", "Give a checkpoint-N folder that an earlier run saved.")
+    if not (folder / TRAINER_STATE).is_file():
+        inside = get_last_checkpoint(str(folder))
+        what = "a saved adapter" if (folder / ADAPTER_CONFIG).is_file() else "a folder"
+        fix = (
+            f"Resume from {inside} (its last checkpoint), or `true` with output_dir: {folder}."
+            if inside
+            else "Give a checkpoint-N folder (saved during training with save_strategy steps/epoch), or drop "
+            "resume_from_checkpoint to start a new run."
+        )
+        refuse(key, str(value), f"it is {what}, not a checkpoint: it has no {TRAINER_STATE}", fix)
+
+
+def check_adapter_folder(path: str | os.PathLike, key: str) -> dict[str, Any]:
+    """Refuse a LoRA adapter folder whose adapter_config.json disagrees with its weights; returns the config.
+
+    Each module's rank (lora_A's rows) must be the config's ``r`` (or its ``rank_pattern`` entry): a config copied
+    from another run reports the wrong scaling and fails in ``load_state_dict``.
+    """
+    from peft.utils.other import get_pattern_key
+    from safetensors import safe_open
+
+    folder = Path(path)
+    config_file = folder / ADAPTER_CONFIG
+    weights = next((folder / n for n in ADAPTER_WEIGHTS if (folder / n).is_file()), None)
+    if not config_file.is_file() or weights is None:
+        refuse(
+            key,
+            str(path),
+            f"it is not a PEFT adapter folder: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS[0]}",
+            "Give a folder that save_pretrained / fora train wrote.",
+        )
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        refuse(key, str(path), f"its {ADAPTER_CONFIG} is not valid JSON ({error})", "Save the adapter again.")
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        found = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
+        refuse(key, str(path), f"it holds a {found} adapter, not LoRA", "Give a LoRA adapter folder.")
+    for name in ("r", "lora_alpha"):
+        if not (is_real(config.get(name)) and config[name] > 0):
+            refuse(f"{key} {ADAPTER_CONFIG} {name}", config.get(name), "use a number > 0", "Save the adapter again.")
+    if weights.suffix != ".safetensors":
+        return config
+    pattern = config.get("rank_pattern") or {}
+    wrong = []
+    with safe_open(str(weights), framework="pt") as tensors:
+        for tensor_key in tensors.keys():
+            if ".lora_A." not in tensor_key:
+                continue
+            rows = tensors.get_slice(tensor_key).get_shape()[0]
+            module = tensor_key.split(".lora_A.")[0].removeprefix("base_model.model.")
+            expected = pattern.get(get_pattern_key(pattern.keys(), module), config["r"])
+            if rows != expected:
+                wrong.append((module, rows, expected))
+    if wrong:
+        module, rows, expected = wrong[0]
+        refuse(
+            f"{key} {ADAPTER_CONFIG} r",
+            config["r"],
+            f"the weights of {len(wrong)} modules have another rank (e.g. {module}: rank {rows}, the config says "
+            f"{expected}), so the config does not belong to these weights",
+            f"Put the adapter_config.json that was saved with these weights back (r: {rows}), or save the adapter "
+            "again.",
+        )
+    return config
+
+
+def check_selection_matches_adapter(selection_file: str | os.PathLike, adapted_layers: list[int]) -> None:
+    """Refuse a selection file (``fora_scores.json``) whose chosen layers are not the layers the adapter next to it
+    is on.
+
+    The selection files of one run next to the adapter of another (a failed later run's, a copied folder) would
+    plot and report the wrong chosen layers.
+    """
+    file = Path(selection_file)
+    if not file.is_file() or not adapted_layers:
+        return
+    try:
+        saved = json.loads(file.read_text(encoding="utf-8"))
+        chosen = sorted(saved["chosen_layers"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"{file} is not a FoRA selection ({type(error).__name__}: {error}): remove it, or run `fora score` to "
+            "write it again."
+        ) from None
+    if chosen != sorted(adapted_layers):
+        raise ValueError(
+            f"{file} says layers {chosen} were chosen, but the adapter in {file.parent} is on layers "
+            f"{sorted(adapted_layers)}: the selection files belong to another run. Remove {file.name} and "
+            f"{file.with_suffix('.png').name} there (or run `fora score` with this run's config to write them again)."
+        )
+
+
+# -------------------------------------------------------------------------------------------------------- data
+def check_text_file(path: str | os.PathLike, key: str) -> str:
+    """The UTF-8 text of ``path``; a file that is not UTF-8 is refused naming the file and the first bad byte."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        bad = error
+    line = data[: bad.start].count(b"\n") + 1
+    refuse(
+        key,
+        str(path),
+        f"the file is not UTF-8 text (byte 0x{data[bad.start]:02x} on line {line} is not valid UTF-8)",
+        "Save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8 in.json > out.json`).",
+    )
+
+
+def check_json_rows_file(path: str | os.PathLike, key: str) -> None:
+    """Refuse a local .json/.jsonl dataset file that is empty, not UTF-8, or holds no rows (``[]``)."""
+    text = check_text_file(path, key)
+    if not text.strip():
+        refuse(key, str(path), "the file is empty", "Give a file with training rows.")
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError:
+        return  # JSON Lines, or malformed: read and reported by the loader
+    if document == [] or document == {}:
+        refuse(key, str(path), f"the file holds {text.strip()!r}, no rows", "Give a file with training rows.")
+
+
+def check_completions(dataset: Any, where: str, key: str = "dataset_name") -> None:
+    """Refuse a dataset whose completions (or texts) are all empty; warn when some are.
+
+    With an empty completion the loss is on the end-of-sequence token alone: the run would train the model to stop.
+    """
+    column = next((c for c in ("completion", "text") if c in dataset.column_names), None)
+    if column is None:
+        return
+    empty = sum(1 for value in dataset[column] if not _has_content(value))
+    if empty == len(dataset):
+        refuse(
+            key,
+            where,
+            f"all {len(dataset)} rows have an empty {column!r} (the `output` of Alpaca rows): training would teach "
+            "the end-of-sequence token alone",
+            "Fill in the responses, or point to the right file.",
+        )
+    if empty:
+        warnings.warn(
+            f"{where}: {empty} of {len(dataset)} rows have an empty {column!r}; they train the end-of-sequence "
+            "token only. Remove them or fill in their responses.",
+            stacklevel=2,
+        )
+
+
+def _has_content(value: Any) -> bool:
+    if isinstance(value, str):
+        return bool(value.strip())
+    if isinstance(value, list):  # conversational: a list of messages
+        return any(_has_content(m.get("content") if isinstance(m, Mapping) else m) for m in value)
+    return value is not None
+
+
+# ----------------------------------------------------------------------------------------------------- ablation
+def check_ablation_block(block: Mapping[str, Any], config: str, runs: tuple[str, ...]) -> None:
+    """Refuse an ``ablation:`` block with no runs, unknown runs, a bad output_dir or out-of-range eval numbers."""
+    if "runs" in block:
+        given = block["runs"]
+        if not isinstance(given, list) or not given:
+            refuse(
+                "ablation.runs",
+                given,
+                f"give a non-empty list of runs (some of {list(runs)})",
+                f"In {config}: `runs: [lora, fora]`, or remove `runs` for all of them.",
+            )
+        unknown = [r for r in given if r not in runs]
+        if unknown:
+            raise ValueError(f"ablation runs {unknown} are unknown; use some of {list(runs)}.")
+    if "output_dir" in block:
+        check_output_folder(str(block["output_dir"]), "ablation.output_dir")
+    evaluation = block.get("eval")
+    if evaluation is not None and not isinstance(evaluation, Mapping):
+        refuse(
+            "ablation.eval", evaluation, "give a mapping of eval keys", "See example_configs/ablation_gemma270m.yaml."
+        )
+    check_numbers(evaluation or {}, ABLATION_EVAL_KEYS, prefix="ablation.eval.")

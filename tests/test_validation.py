@@ -1,0 +1,196 @@
+"""The up-front checks of fora_plugin.validation: each accepts the edge of its range and refuses just past it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import pytest
+from conftest import EXPERT_PARAMETERS, TARGETS, char_tokenizer, tiny_llama, tiny_moe
+
+from fora_plugin.validation import (
+    NUMBER_RULES,
+    check_adapter_folder,
+    check_checkpoint,
+    check_completions,
+    check_model_folder,
+    check_number,
+    check_output_folder,
+    check_selection_matches_adapter,
+    check_target_modules,
+    check_target_parameters,
+)
+
+
+# key -> (values accepted at the edge of the range, values refused just past it or of the wrong kind)
+EDGES = {
+    "lora_r": ([1, 64], [0, -1, 1.5, True, "8"]),
+    "lora_alpha": ([1e-3, 16], [0, -8, math.nan, math.inf]),
+    "lora_dropout": ([0.0, 0.99], [1.0, -0.1, math.nan]),
+    "per_device_train_batch_size": ([1], [0, -2]),
+    "per_device_eval_batch_size": ([1], [0]),
+    "gradient_accumulation_steps": ([1], [0]),
+    "max_steps": ([-1, 1], [0, -2]),
+    "num_train_epochs": ([0.5, 3], [0, -1, math.inf]),
+    "max_length": ([1, None], [0, -5]),
+    "warmup_steps": ([0, 0.1, 10], [-1, math.nan]),
+    "warmup_ratio": ([0.0, 1.0, None], [1.5, -0.1]),
+    "weight_decay": ([0.0, 0.1], [-0.01, math.nan]),
+    "max_grad_norm": ([0.0, 1.0], [-1.0, math.nan, math.inf]),
+    "adam_beta1": ([0.0, 0.9], [1.0, -0.1]),
+    "adam_beta2": ([0.999], [1.0, 1.5]),
+    "adam_epsilon": ([0.0, 1e-8], [-1e-8, math.nan]),
+    "label_smoothing_factor": ([0.0, 0.1], [1.0, -0.1]),
+    "logging_steps": ([1, 0.1], [0, -1]),
+    "save_steps": ([1], [0]),
+    "eval_steps": ([None, 5], [0]),
+    "save_total_limit": ([None, 1], [0, -1]),
+    "dataloader_num_workers": ([0, 4], [-1]),
+    "dataset_num_proc": ([None, 1], [0]),
+    "seed": ([0, 2**32 - 1], [-1, 2**32]),
+    "micro_batch_size": ([1], [0]),
+    "sequence_len": ([1, 2048], [0]),
+    "num_epochs": ([0.5, 1], [0, math.nan]),
+    "--max-examples": ([None, 1], [0, -5]),
+    "--batch-size": ([1], [0]),
+    "--max-new-tokens": ([1], [0]),
+    "--ppl-max-length": ([2], [1, 0]),
+    "--ppl-stride": ([1], [0]),
+    "--ppl-max-tokens": ([None, 2], [1, 0]),
+    "--kl-max-tokens": ([1], [0]),
+    "max_examples": ([None, 1], [0, -5]),
+    "batch_size": ([1], [0]),
+    "max_new_tokens": ([1], [0]),
+    "kl_max_tokens": ([1], [0]),
+    "eval_loss_examples": ([0, 40], [-1]),
+}
+
+
+def test_every_rule_has_its_edges_tested():
+    assert set(EDGES) == set(NUMBER_RULES)
+
+
+@pytest.mark.parametrize("key", sorted(EDGES))
+def test_each_number_rule_accepts_its_range_and_refuses_past_it_by_name(key):
+    accepted, refused = EDGES[key]
+    for value in accepted:
+        check_number(key, value)
+    for value in refused:
+        with pytest.raises(ValueError, match="^" + re.escape(f"{key}={value!r} is invalid: ")):
+            check_number(key, value)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model")
+    tiny_llama(2).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_target_modules_are_checked_against_the_model_on_the_meta_device(model_dir):
+    check_target_modules(str(model_dir), TARGETS, key="lora_target_modules")
+    check_target_modules(str(model_dir), ["self_attn.q_proj", "lm_head"], key="lora_target_modules")
+    check_target_modules(str(model_dir), "all-linear", key="lora_target_modules")  # PEFT's own rule
+    check_target_modules("org/hub-model", ["anything"], key="lora_target_modules")  # not checkable offline
+    with pytest.raises(ValueError, match=r"no module named \['qproj'\].*For 'qproj', did you mean q_proj\?"):
+        check_target_modules(str(model_dir), ["qproj"], key="lora_target_modules")
+    with pytest.raises(ValueError, match=r"`--lora_target_modules q_proj v_proj` on the command line"):
+        check_target_modules(str(model_dir), ["q_proj,v_proj"], key="lora_target_modules")
+    with pytest.raises(ValueError, match=r"`lora_target_modules: \[q_proj, v_proj, k_proj\]`"):
+        check_target_modules(str(model_dir), ["q_proj v_proj", "k_proj"], key="lora_target_modules")
+
+
+def test_model_folder_needs_config_and_weights(model_dir, tmp_path):
+    check_model_folder(str(model_dir))
+    check_model_folder("org/hub-model")  # a hub name: transformers resolves it
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"config\.json but no weights .*it holds config\.json\)"):
+        check_model_folder(str(tmp_path))
+
+
+def test_output_folder_is_tried_not_guessed(tmp_path):
+    check_output_folder(tmp_path / "new" / "deeper", "output_dir")
+    assert not (tmp_path / "new").exists()  # checking creates nothing
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"output_dir='.*file' is a file"):
+        check_output_folder(tmp_path / "file", "output_dir")
+    with pytest.raises(ValueError, match=r"no folder can be made under it"):
+        check_output_folder(tmp_path / "file" / "out", "output_dir")
+    if os.geteuid() != 0:  # root writes through permission bits
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        with pytest.raises(ValueError, match=r"is not writable"):
+            check_output_folder(locked / "out", "output_dir")
+    with pytest.raises(ValueError, match=r"/proc is not writable"):
+        check_output_folder("/proc/fora-out", "output_dir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] + (["locked"] if os.geteuid() != 0 else [])
+
+
+def test_checkpoint_is_a_folder_with_trainer_state(tmp_path):
+    check_checkpoint(None, str(tmp_path))
+    check_checkpoint("false", str(tmp_path))
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint=True but output_dir .* holds no checkpoint"):
+        check_checkpoint("true", str(tmp_path))
+    run = tmp_path / "run"
+    (run / "checkpoint-4").mkdir(parents=True)
+    (run / "checkpoint-4" / "trainer_state.json").write_text("{}")
+    (run / "adapter_config.json").write_text("{}")
+    check_checkpoint(True, str(run))
+    check_checkpoint(str(run / "checkpoint-4"), str(tmp_path))
+    with pytest.raises(ValueError, match=r"it is a saved adapter, not a checkpoint.*Resume from .*checkpoint-4"):
+        check_checkpoint(str(run), str(tmp_path))
+    with pytest.raises(ValueError, match=r"no such folder"):
+        check_checkpoint(str(tmp_path / "nope"), str(tmp_path))
+
+
+def _adapter(folder, **lora):
+    from peft import LoraConfig, get_peft_model
+
+    get_peft_model(tiny_llama(2), LoraConfig(target_modules=["q_proj", "v_proj"], **lora)).save_pretrained(folder)
+    return folder
+
+
+def test_adapter_config_must_match_the_weights_ranks(tmp_path):
+    plain = _adapter(tmp_path / "plain", r=4)
+    assert check_adapter_folder(plain, "adapter")["r"] == 4
+    patterned = _adapter(tmp_path / "patterned", r=4, rank_pattern={"v_proj": 2})
+    check_adapter_folder(patterned, "adapter")  # rank_pattern's ranks are the config's too
+    config = json.loads((plain / "adapter_config.json").read_text())
+    (plain / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
+    with pytest.raises(ValueError, match=r"adapter adapter_config\.json r=8 is invalid: the weights of 4 modules"):
+        check_adapter_folder(plain, "adapter")
+    (plain / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 0}))
+    with pytest.raises(ValueError, match=r"lora_alpha=0 is invalid"):
+        check_adapter_folder(plain, "adapter")
+
+
+def test_selection_must_be_the_adapters_layers(tmp_path):
+    file = tmp_path / "fora_scores.json"
+    check_selection_matches_adapter(file, [0, 1])  # no selection file: nothing to compare
+    file.write_text(json.dumps({"chosen_layers": [1, 0]}))
+    check_selection_matches_adapter(file, [0, 1])
+    with pytest.raises(ValueError, match=r"says layers \[0, 1\] were chosen, but the adapter .* is on layers \[2\]"):
+        check_selection_matches_adapter(file, [2])
+
+
+def test_completions_all_empty_refused_some_empty_warned():
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match=r"all 2 rows have an empty 'completion'"):
+        check_completions(Dataset.from_list([{"prompt": "a", "completion": ""}] * 2), "d.json")
+    with pytest.warns(UserWarning, match=r"1 of 2 rows have an empty 'text'"):
+        check_completions(Dataset.from_list([{"text": "a"}, {"text": "  "}]), "d.json")
+    messages = [{"role": "user", "content": "hi"}]
+    check_completions(
+        Dataset.from_list([{"prompt": messages, "completion": [{"role": "assistant", "content": "x"}]}]), "d"
+    )
+
+
+def test_target_parameters_are_checked_against_the_models_parameters(tmp_path):
+    tiny_moe(2).save_pretrained(tmp_path)
+    check_target_parameters(str(tmp_path), EXPERT_PARAMETERS, key="lora_target_parameters")
+    with pytest.raises(ValueError, match=r"no parameter named \['mlp.experts.gate_proj'\] \(its fused expert par"):
+        check_target_parameters(str(tmp_path), ["mlp.experts.gate_proj"], key="lora_target_parameters")
