@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -350,6 +351,9 @@ class JudgeClient:
             key = NO_KEY  # a local server with no authentication; the variable was not asked for
         self.key_env = env
         self.requests = 0
+        # The HTTP client logs every request at INFO, which would bury the progress bar; errors still show.
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         # Retries are ours (bounded, counted, named in the message); the client's own would hide them.
         self._client = openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=config.judge_timeout)
         self._openai = openai
