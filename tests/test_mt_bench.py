@@ -536,3 +536,68 @@ def test_config_refuses_unknown_ablation_keys():
         MTBenchConfig.from_dict({"judge": "gpt-4"}, "ablation.eval.mt_bench")
     with pytest.raises(ValueError, match=r"judge_parallel=0 must be a positive integer"):
         MTBenchConfig(judge_model="gpt-4", judge_parallel=0)
+
+
+@pytest.mark.slow
+def test_fora_ablate_answers_and_judges_every_run(files, server, tmp_path, capsys):
+    import yaml
+
+    rows = [
+        {"instruction": f"Add {a} and {b}.", "input": "", "output": str(a + b)} for a in range(4) for b in range(4)
+    ]
+    (tmp_path / "sums.json").write_text(json.dumps(rows))
+    config = {
+        "model_name_or_path": str(files["base"]),
+        "dtype": "float32",
+        "dataset_name": str(tmp_path / "sums.json"),
+        "lora_r": 2,
+        "lora_alpha": 4,
+        "lora_target_modules": TARGETS,
+        "fora_fisher_batches": 1,
+        "output_dir": str(tmp_path / "unused"),
+        "use_cpu": True,
+        "bf16": False,
+        "activation_checkpointing": False,
+        "per_device_train_batch_size": 4,
+        "max_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "ablation": {
+            "output_dir": str(tmp_path / "grid"),
+            "runs": ["lora", "fora"],
+            "eval": {
+                "eval_loss_examples": 0,
+                "mt_bench": {
+                    "questions": str(files["root"] / "questions.jsonl"),
+                    "max_new_tokens": 4,
+                    "judge_model": str(files["judge"]),
+                    "judge_base_url": server.url,
+                    "judge_api_key_env": "FORA_TEST_JUDGE_KEY",
+                },
+            },
+        },
+    }
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(config))
+    before = server.completions()
+    assert main(["ablate", str(tmp_path / "grid.yaml")]) == 0
+    out = tmp_path / "grid" / "mt_bench"
+    records = read_jsonl(next((out / "model_judgment").glob("*_single.jsonl")))
+    assert sorted({r["model"] for r in records}) == ["fora", "lora"] and len(records) == 4 * len(QUESTION_IDS)
+    assert server.completions() - before == len(records)  # the closing table reads the cache
+    for run in ("lora", "fora"):
+        result = json.loads((tmp_path / "grid" / run / "results.json").read_text())["mt_bench"]
+        assert result["summary"][run]["score"] == 5.5 and result["summary"][run]["unparsable"] == 2
+    table = (tmp_path / "grid" / "ablation.md").read_text()
+    assert f"| lora | {files['judge']} | 5.50 |" in table and f"| fora | {files['judge']} | 5.50 |" in table
+    assert (out / "mt_bench.png").is_file()
+
+
+def test_ablate_refuses_a_bad_mt_bench_block_before_training(tmp_path):
+    from fora_plugin.ablate import load_ablation_config
+
+    (tmp_path / "d.json").write_text("[]")
+    block = {"runs": ["fora"], "eval": {"mt_bench": {"judge_model": "gpt-4", "max_new_token": 8}}}
+    (tmp_path / "a.yaml").write_text(json.dumps({"dataset_name": "d.json", "ablation": block}))
+    with pytest.raises(ValueError, match=r"ablation\.eval\.mt_bench has unknown keys \['max_new_token'\]"):
+        load_ablation_config(str(tmp_path / "a.yaml"))
