@@ -200,8 +200,11 @@ def _mt_bench_run(prepared, trainer, out: Path, name: str, run_dir: Path) -> dic
     from . import mt_bench
 
     config = prepared.config
-    source = {"adapter": str(run_dir.resolve()), "max_new_tokens": config.max_new_tokens, "chat_template": None}
-    source["chat_template"] = config.chat_template
+    source = {
+        "adapter": str(run_dir.resolve()),
+        "max_new_tokens": config.max_new_tokens,
+        "chat_template": config.chat_template,
+    }
     result = mt_bench.run(prepared, trainer.model, trainer.processing_class, out / "mt_bench", name, source)
     return {k: v for k, v in result.items() if k != "markdown"}
 

@@ -29,7 +29,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -499,9 +499,14 @@ def _run_all(tasks: list[Callable[[], None]], parallel: int, desc: str) -> None:
                 task()
                 bar.update()
             return
-        with ThreadPoolExecutor(parallel) as pool:
-            for _ in pool.map(lambda t: t(), tasks):
+        pool = ThreadPoolExecutor(parallel)
+        try:
+            for future in as_completed([pool.submit(task) for task in tasks]):
+                future.result()  # the first failure stops the run; judgments already made are in the file
                 bar.update()
+        finally:
+            # On a failure, what has not started is dropped rather than retried against a dead server.
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def judge_single(

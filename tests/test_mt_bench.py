@@ -290,7 +290,10 @@ def test_pairwise_judges_both_orders_and_counts_wins(files, server, tmp_path, ca
     )
     before = server.completions()
     code, _, stderr = run_cli(
-        eval_argv(files, out, server.url, "--mt-bench-compare", "refuser", "--mt-bench-pairwise"), capsys
+        eval_argv(
+            files, out, server.url, "--mt-bench-compare", "refuser", "--mt-bench-pairwise", "--judge-parallel", "2"
+        ),
+        capsys,
     )
     assert code == 0, stderr
     pairs = read_jsonl(next((out / "model_judgment").glob("*_pair.jsonl")))
