@@ -604,3 +604,26 @@ def test_ablate_refuses_a_bad_mt_bench_block_before_training(tmp_path):
     (tmp_path / "a.yaml").write_text(json.dumps({"dataset_name": "d.json", "ablation": block}))
     with pytest.raises(ValueError, match=r"ablation\.eval\.mt_bench has unknown keys \['max_new_token'\]"):
         load_ablation_config(str(tmp_path / "a.yaml"))
+
+
+def test_eval_flags_build_the_config_and_bare_mt_bench_means_the_bundled_questions():
+    from fora_plugin.cli import build_parser
+
+    args = build_parser().parse_args(
+        [
+            "eval",
+            "--base",
+            "m",
+            "--mt-bench",
+            "--judge-model",
+            "gpt-4",
+            "--judge-retries",
+            "2",
+            "--mt-bench-first-n",
+            "3",
+        ]
+    )
+    config = mt_bench.config_from_args(args)
+    assert (config.questions, config.judge_model, config.judge_retries, config.first_n) == (None, "gpt-4", 2, 3)
+    assert config.judge_max_tokens == MTBenchConfig.judge_max_tokens  # unset flags keep the dataclass defaults
+    assert mt_bench.prepare(MTBenchConfig(first_n=3)).questions == load_questions()[:3]
