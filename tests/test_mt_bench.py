@@ -627,3 +627,23 @@ def test_eval_flags_build_the_config_and_bare_mt_bench_means_the_bundled_questio
     assert (config.questions, config.judge_model, config.judge_retries, config.first_n) == (None, "gpt-4", 2, 3)
     assert config.judge_max_tokens == MTBenchConfig.judge_max_tokens  # unset flags keep the dataclass defaults
     assert mt_bench.prepare(MTBenchConfig(first_n=3)).questions == load_questions()[:3]
+
+
+def test_without_a_judge_the_answers_are_written_for_fastchat(files, tmp_path, capsys):
+    out = tmp_path / "eval"
+    argv = eval_argv(files, out, "http://unused")
+    argv = argv[: argv.index("--judge-model")]
+    code, stdout, stderr = run_cli(argv, capsys)
+    assert code == 0, stderr
+    answers = read_jsonl(out / "model_answer" / "tiny-fora.jsonl")
+    assert [a["question_id"] for a in answers] == list(QUESTION_IDS)
+    assert "--judge-model" in stdout and "gen_judgment.py" in stdout
+    assert not (out / "model_judgment").exists()
+    # Answers made with other settings under the same model_id are refused, not judged as if they were these.
+    longer = [
+        *argv[: argv.index("--mt-bench-max-new-tokens") + 1],
+        "7",
+        *argv[argv.index("--mt-bench-max-new-tokens") + 2 :],
+    ]
+    code, _, stderr = run_cli(longer, capsys)
+    assert code == 2 and "made with other settings (max_new_tokens: [6] then, [7] now)" in stderr, stderr
