@@ -81,6 +81,14 @@ def load_ablation_config(config: str) -> tuple[dict[str, Any], dict[str, Any]]:
     for key in ("commonsense_dir", "kl_text"):
         if evaluation.get(key):
             evaluation[key] = _resolve(evaluation[key], base)
+    if evaluation.get("mt_bench") is not None:
+        from .mt_bench import MTBenchConfig
+
+        mt_bench = evaluation["mt_bench"]
+        for key in ("questions", "reference", "chat_template"):
+            if isinstance(mt_bench, dict) and mt_bench.get(key):
+                mt_bench[key] = _resolve(mt_bench[key], base)
+        MTBenchConfig.from_dict(mt_bench, f"{config}: ablation.eval.mt_bench")  # refused here, before any training
     return data, block
 
 
@@ -144,6 +152,7 @@ def run_ablation(config: str, overrides: list[str]) -> Path:
     check_output_folder(out, "ablation.output_dir")
     evaluation = block["eval"]
     held_out = _held_out(evaluation)  # a missing or malformed task file is refused before anything is written
+    mt_bench = _mt_bench_prepared(evaluation)  # questions, references, key and judge server too
     _check_training_keys(data, overrides, config)
     out.mkdir(parents=True, exist_ok=True)
     train_config = out / "train_config.yaml"
@@ -175,16 +184,54 @@ def run_ablation(config: str, overrides: list[str]) -> Path:
         }
         print(f"[{name}] evaluating")
         result.update(evaluate_run(trainer, evaluation, held_out))
+        if mt_bench is not None:
+            result["mt_bench"] = _mt_bench_run(mt_bench, trainer, out, name, run_dir)
         done.write_text(json.dumps(result, indent=2))
         results[name] = result
         del trainer
         gc.collect()
     table = ablation_table(results, list(held_out))
+    if mt_bench is not None:
+        table += "\n\n" + _mt_bench_table(mt_bench, out, list(results))
     (out / "ablation.md").write_text(table + "\n")
     plot_ablation(out / "ablation.png", results)
     print("\n" + table)
     print(f"\ntable: {(out / 'ablation.md').resolve()}\nplot:  {(out / 'ablation.png').resolve()}")
     return out
+
+
+def _mt_bench_prepared(evaluation: dict[str, Any]):
+    """The ``eval.mt_bench`` block checked (files, key, judge server) before the first run is trained."""
+    if evaluation.get("mt_bench") is None:
+        return None
+    from . import mt_bench
+
+    return mt_bench.prepare(mt_bench.MTBenchConfig.from_dict(evaluation["mt_bench"], "ablation.eval.mt_bench"))
+
+
+def _mt_bench_run(prepared, trainer, out: Path, name: str, run_dir: Path) -> dict[str, Any]:
+    """MT-Bench answers of run ``name`` (model_id = the run's name) in ``out/mt_bench``, judged if a judge is set."""
+    from . import mt_bench
+
+    config = prepared.config
+    source = {
+        "adapter": str(run_dir.resolve()),
+        "max_new_tokens": config.max_new_tokens,
+        "chat_template": config.chat_template,
+    }
+    result = mt_bench.run(prepared, trainer.model, trainer.processing_class, out / "mt_bench", name, source)
+    return {k: v for k, v in result.items() if k != "markdown"}
+
+
+def _mt_bench_table(prepared, out: Path, names: list[str]) -> str:
+    """All runs' MT-Bench scores in one table and one plot (out/mt_bench/mt_bench.png); judgments are cached."""
+    from . import mt_bench
+
+    answered = [n for n in names if (out / "mt_bench" / "model_answer" / f"{n}.jsonl").is_file()]
+    if prepared.client is None or not answered:
+        return ""
+    scored = mt_bench.score(prepared, out / "mt_bench", answered)
+    return "MT-Bench:\n\n" + scored["markdown"] + f"\n\nplot: {scored['plot']}"
 
 
 def ablation_table(results: dict[str, dict[str, Any]], tasks: list[str]) -> str:

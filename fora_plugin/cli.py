@@ -145,11 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--ppl-max-length", type=int, default=1024, help="perplexity window (default: 1024)")
     evaluate.add_argument("--ppl-stride", type=int, default=512, help="perplexity stride (default: 512)")
     evaluate.add_argument("--ppl-max-tokens", type=int, help="score only the first N tokens of the text")
-    evaluate.add_argument("--mt-bench", help="MT-Bench question.jsonl: write two-turn answers for FastChat's judge")
     evaluate.add_argument("--model-id", default="fora", help="model_id in the MT-Bench answers (default: fora)")
     evaluate.add_argument("--batch-size", type=int, default=8, help="generation batch size (default: 8)")
     evaluate.add_argument("--max-new-tokens", type=int, default=32, help="commonsense answer length (default: 32)")
     evaluate.add_argument("--lm-eval", action="store_true", help="print the equivalent lm-evaluation-harness command")
+    from .mt_bench import add_arguments as add_mt_bench_arguments
+
+    add_mt_bench_arguments(evaluate)
 
     report = commands.add_parser("report", help="spectra, effective rank, drift and KL of LoRA adapters")
     report.add_argument("adapter", help="a PEFT LoRA adapter folder")
@@ -233,7 +235,7 @@ def _check_files(*flags: tuple[str, str | None]) -> None:
 def _check_eval_inputs(args: argparse.Namespace) -> list[str]:
     """Everything `fora eval` is given, checked before the model loads; returns the commonsense tasks."""
     check_eval_arguments(args)
-    _check_files(("--wikitext", args.wikitext), ("--mt-bench", args.mt_bench))
+    _check_files(("--wikitext", args.wikitext), ("--mt-bench", args.mt_bench_questions or None))
     check_output_folder(args.output, "--output")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if args.commonsense_dir:
@@ -257,23 +259,24 @@ def _check_eval_inputs(args: argparse.Namespace) -> list[str]:
 def evaluate(args: argparse.Namespace) -> int:
     import json
 
+    from . import mt_bench
     from .data import read_json
-    from .evaluation import (
-        commonsense_accuracy,
-        lm_eval_command,
-        mt_bench_answers,
-        mt_bench_judge_command,
-        perplexity,
-        write_jsonl,
-    )
+    from .evaluation import commonsense_accuracy, lm_eval_command, mt_bench_judge_command, perplexity
 
-    if not (args.commonsense_dir or args.wikitext or args.mt_bench or args.lm_eval):
+    mt_bench_asked = args.mt_bench_questions is not None
+    if not (args.commonsense_dir or args.wikitext or mt_bench_asked or args.lm_eval):
         raise ValueError("fora eval has nothing to do: give --commonsense-dir, --wikitext, --mt-bench or --lm-eval.")
     tasks = _check_eval_inputs(args)
+    if not mt_bench_asked and (args.mt_bench_judge_model or args.mt_bench_compare):
+        raise ValueError("--judge-model and --mt-bench-compare judge MT-Bench answers: add --mt-bench [QUESTIONS].")
+    if args.mt_bench_compare and not args.mt_bench_judge_model:
+        raise ValueError("--mt-bench-compare needs --judge-model: comparing means judging.")
+    # Questions, references, key and judge server are checked before the model is loaded and anything generated.
+    prepared = mt_bench.prepare(mt_bench.config_from_args(args)) if mt_bench_asked else None
     out = Path(args.output)
     if args.lm_eval:
         print(lm_eval_command(args.base, args.adapter, ["boolq", "arc_easy", "arc_challenge", "openbookqa"]))
-        if not (args.commonsense_dir or args.wikitext or args.mt_bench):
+        if not (args.commonsense_dir or args.wikitext or mt_bench_asked):
             return 0
     model, tokenizer = load_model(args.base, args.adapter)
     out.mkdir(parents=True, exist_ok=True)
@@ -307,19 +310,41 @@ def evaluate(args: argparse.Namespace) -> int:
         rows.append(
             f"| perplexity ({results['perplexity']['tokens']} tokens) | {results['perplexity']['perplexity']:.2f} |"
         )
-    if args.mt_bench:
-        questions = read_json(args.mt_bench, lines=True)
-        answers = write_jsonl(
-            out / f"{args.model_id}.jsonl", mt_bench_answers(model, tokenizer, questions, args.model_id)
+    extra = ""
+    if prepared is not None:
+        config = prepared.config
+        source = {
+            "base": args.base,
+            "adapter": str(Path(args.adapter).resolve()) if args.adapter else None,
+            "max_new_tokens": config.max_new_tokens,
+            "chat_template": config.chat_template,
+        }
+        result = mt_bench.run(
+            prepared,
+            model,
+            tokenizer,
+            out,
+            args.model_id,
+            source,
+            compare=args.mt_bench_compare,
+            pairwise=args.mt_bench_pairwise,
         )
-        results["mt_bench_answers"] = str(answers)
-        print(
-            f"MT-Bench answers: {answers}\nJudge them with FastChat (needs your OPENAI_API_KEY):\n  "
-            f"{mt_bench_judge_command(args.model_id)}"
-        )
+        results["mt_bench"] = {k: v for k, v in result.items() if k != "markdown"}
+        if "summary" in result:
+            own = result["summary"][args.model_id]
+            score = mt_bench.format_score(own["score"])
+            rows.append(f"| MT-Bench, judge {own['judge']} ({own['unparsable']} unparsable) | {score} |")
+            extra = "\n## MT-Bench\n\n" + result["markdown"] + "\n"
+        else:
+            print(
+                f"MT-Bench answers: {result['answers']}\nJudge them here with --judge-model (any OpenAI-compatible "
+                f"server), or with FastChat (needs your OPENAI_API_KEY):\n  {mt_bench_judge_command(args.model_id)}"
+            )
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text("\n".join(rows) + "\n")
-    print("\n".join(rows))
+    (out / "results.md").write_text("\n".join(rows) + "\n" + extra)
+    print("\n".join(rows) + "\n" + extra)
+    if extra:
+        print(f"MT-Bench plot: {(out / 'mt_bench.png').resolve()}")
     print(f"\nresults: {(out / 'results.json').resolve()}")
     return 0
 

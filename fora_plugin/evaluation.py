@@ -224,7 +224,7 @@ def write_jsonl(path: str | Path, records: Sequence[dict[str, Any]]) -> Path:
 def mt_bench_judge_command(model_id: str) -> str:
     """What to run, in a FastChat checkout with OPENAI_API_KEY set, to judge the answers with GPT-4."""
     return (
-        f"cp {model_id}.jsonl fastchat/llm_judge/data/mt_bench/model_answer/ && cd fastchat/llm_judge && "
+        f"cp model_answer/{model_id}.jsonl fastchat/llm_judge/data/mt_bench/model_answer/ && cd fastchat/llm_judge && "
         f"python gen_judgment.py --model-list {model_id} --parallel 2 && python show_result.py --model-list {model_id}"
     )
 
