@@ -19,7 +19,7 @@ tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Py
 
 ROOT = Path(__file__).parent.parent
 # The extras a user installs; `dev` (pytest, ruff, the extras above) is the developers' tooling.
-USER_EXTRAS = ("deepspeed", "qlora", "axolotl", "quickstart")
+USER_EXTRAS = ("deepspeed", "qlora", "axolotl", "quickstart", "mt-bench")
 # The one floor below the versions tested: no other torch build than the CPU wheel can be installed on CI's machine.
 UNTESTED_FLOORS = {"torch"}
 NOT_INSTALLED = "—"
