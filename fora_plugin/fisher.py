@@ -167,6 +167,28 @@ def _detached(value: Any) -> Any:
     return value
 
 
+class _ScoredByInput(torch.autograd.Function):
+    """The identity on a linear's output y, whose backward also scores the linear from g = ∂L/∂y and its input x.
+
+    x is saved for backward (``save_for_backward``), so checkpointing treats it as any saved activation: it is
+    dropped after the forward and recomputed for the backward. The backward runs once per backward pass, also under
+    checkpointing: a non-reentrant recompute's graph is never run backward, and a reentrant checkpoint's first
+    forward runs without gradients (the forward hook passes then).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, x: torch.Tensor, add_score: Callable) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.add_score = add_score
+        return output  # returned as is: autograd makes it a view with this node as its grad_fn, no copy
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (x,) = ctx.saved_tensors
+        ctx.add_score(g.detach(), x)
+        return g, None, None
+
+
 class _LayerAccumulator:
     """Hooks that add squared gradient norms into per-layer totals (a device tensor) as gradients appear."""
 
@@ -190,33 +212,36 @@ class _LayerAccumulator:
         self.handles.append(param.register_post_accumulate_grad_hook(hook))
 
     def watch_linear(self, index: int, label: str, linear: nn.Module, with_bias: bool) -> None:
-        """Score a linear-like module's weight (and bias) from its input x and output gradient g: ∇W = Σ_t g xᵀ."""
+        """Score a linear-like module's weight (and bias) from its input x and output gradient g: ∇W = Σ_t g xᵀ.
 
-        # The output's gradient hook fires once per backward even under gradient checkpointing: a reentrant
-        # recompute's first forward runs without grad (no hook), a non-reentrant recompute's output is not on the
-        # backward path (its hook never fires).
-        def forward_hook(module: nn.Module, args: tuple, output: Any) -> None:
+        The output goes on through :class:`_ScoredByInput`, which saves x for backward: autograd, not a closure,
+        holds x, so gradient checkpointing frees and recomputes it like any activation.
+        """
+
+        def add_score(g: torch.Tensor, x: torch.Tensor) -> None:
+            self._reached.add(label)
+            g2 = g.reshape(-1, g.shape[-1]).float()  # (T, out)
+            x2 = x.reshape(-1, x.shape[-1]).float()  # (T, in)
+            total = squared_norm_of_outer_sum(g2, x2)  # Conv1D's (in, out) weight has the same norm
+            if with_bias:
+                total = total + g2.sum(dim=0).square().sum()
+            self.add(index, total)
+
+        def forward_hook(module: nn.Module, args: tuple, output: Any) -> Any:
             if self._replaying or not torch.is_grad_enabled():
-                return
+                return None
             outputs = _tensors(output)
             x = args[0]
             if not outputs or not outputs[0].requires_grad:
                 if isinstance(x, torch.Tensor) and x.requires_grad:
                     self._forwarded[label] = type(module).__name__  # a gradient came in, none can go out: refused
-                return
+                return None
             self._forwarded[label] = type(module).__name__
-            x = x.detach()
-
-            def grad_hook(g: torch.Tensor) -> None:
-                self._reached.add(label)
-                g2 = g.detach().reshape(-1, g.shape[-1]).float()  # (T, out)
-                x2 = x.reshape(-1, x.shape[-1]).float()  # (T, in)
-                total = squared_norm_of_outer_sum(g2, x2)  # Conv1D's (in, out) weight has the same norm
-                if with_bias:
-                    total = total + g2.sum(dim=0).square().sum()
-                self.add(index, total)
-
-            outputs[0].register_hook(grad_hook)
+            scored = _ScoredByInput.apply(outputs[0], x.detach(), add_score)
+            if isinstance(output, torch.Tensor):
+                return scored
+            first = next(i for i, item in enumerate(output) if item is outputs[0])
+            return type(output)((*output[:first], scored, *output[first + 1 :]))
 
         self.handles.append(linear.register_forward_hook(forward_hook))
 
