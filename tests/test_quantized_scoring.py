@@ -140,6 +140,24 @@ class InputStorages:
         return sum(not ref.expired() for ref in self.refs.values())
 
 
+def score_counting_live_inputs(model: nn.Module, linears: list[nn.Module], linear_grad: str):
+    """Fisher scores of ``model`` and, for each batch, how many distinct input storages of ``linears`` are alive
+    between its forward and its backward."""
+    storages = InputStorages(linears)
+    counts = []
+
+    def counting_loss(model, batch):
+        storages.clear()
+        loss = model(**batch).loss
+        assert storages.calls == len(linears)  # every input was seen: the count below is of all of them
+        counts.append(storages.alive())
+        return loss
+
+    batches = make_batches()
+    scores = fisher_scores(model, batches, 3, loss_fn=counting_loss, linear_grad=linear_grad, progress=False).scores
+    return scores, counts
+
+
 @pytest.mark.parametrize("linear_grad", ["auto", "activations"])
 def test_scoring_under_non_reentrant_checkpointing_keeps_no_4bit_input_alive(tmp_path, linear_grad):
     # x/g scoring needs each linear's input x at its backward. Held outside autograd (in a hook's closure), x stayed
@@ -148,7 +166,6 @@ def test_scoring_under_non_reentrant_checkpointing_keeps_no_4bit_input_alive(tmp
     # after the forward and recomputes it in the backward, like any activation; the scores stay the same.
     bnb = pytest.importorskip("bitsandbytes")
     tiny_llama().save_pretrained(tmp_path)
-    batches = make_batches()
     alive, scores = {}, {}
     for checkpointing in (False, True):
         model = _load_4bit(tmp_path)
@@ -156,20 +173,7 @@ def test_scoring_under_non_reentrant_checkpointing_keeps_no_4bit_input_alive(tmp
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
         assert len(linears) == 4 * 7
-        storages = InputStorages(linears)
-        counts = []
-
-        def counting_loss(model, batch):
-            storages.clear()
-            loss = model(**batch).loss
-            assert storages.calls == len(linears)  # every input was seen: the count below is of all of them
-            counts.append(storages.alive())  # between the forward and the backward
-            return loss
-
-        scores[checkpointing] = fisher_scores(
-            model, batches, 3, loss_fn=counting_loss, linear_grad=linear_grad, progress=False
-        ).scores
-        alive[checkpointing] = counts
+        scores[checkpointing], alive[checkpointing] = score_counting_live_inputs(model, linears, linear_grad)
     assert all(count > 0 for count in alive[False])  # the probe sees what a backward needs (no checkpointing)
     assert alive[True] == [0, 0, 0], alive
     assert_close(scores[True], scores[False], rtol=1e-6)
