@@ -494,7 +494,8 @@ def fisher_scores(
             "Lower fisher_batches or use more data to silence this.",
             stacklevel=2,
         )
-    stats = torch.cat((accumulator.totals, torch.tensor([float(count)], device=device)))  # (L + 1,)
+    # The count joins the totals on the device without a host-to-device copy (a blocking copy waits for the stream).
+    stats = torch.cat((accumulator.totals, accumulator.totals.new_full((1,), count)))  # (L + 1,)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(stats)
     *totals, total_batches = stats.tolist()  # the one host sync
