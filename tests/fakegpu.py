@@ -49,7 +49,7 @@ def check_pinned_api() -> None:
         ),
         "torch._subclasses.fake_tensor.FakeTensor.__new__": inspect.signature(FakeTensor.__new__),
     }
-    for name, (_, parameters) in PINNED_API.items():
+    for name, parameters in PINNED_API.items():
         missing = [p for p in parameters if p not in found[name].parameters]
         if missing:
             raise RuntimeError(
