@@ -189,6 +189,29 @@ class _ScoredByInput(torch.autograd.Function):
         return g, None, None
 
 
+class _ScoredByReplay(torch.autograd.Function):
+    """The identity on a module's differentiable outputs, whose backward also scores the module's own parameters
+    by a replay on its inputs with the outputs' gradients (``_LayerAccumulator.watch_module``).
+
+    The inputs are saved for backward, so checkpointing drops and recomputes them like any activation, and the
+    backward gets every output's gradient at once (None for an output that got none): one replay per call.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, add_score: Callable, num_outputs: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.save_for_backward(*tensors[num_outputs:])
+        ctx.add_score, ctx.num_outputs = add_score, num_outputs
+        ctx.set_materialize_grads(False)
+        return tuple(tensors[:num_outputs])  # returned as is: views with this node as their grad_fn, no copy
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        inputs = ctx.saved_tensors  # read once: checkpointing unpacks each saved tensor once
+        if any(g is not None for g in grads):
+            ctx.add_score(inputs, tuple(None if g is None else g.detach() for g in grads))
+        return (None, None, *grads, *([None] * len(inputs)))
+
+
 class _LayerAccumulator:
     """Hooks that add squared gradient norms into per-layer totals (a device tensor) as gradients appear."""
 
@@ -196,7 +219,6 @@ class _LayerAccumulator:
         self.totals = torch.zeros(num_layers, dtype=torch.float32, device=device)
         self.handles: list[Any] = []
         self._replaying = False  # set while a module re-runs inside a gradient hook: no hook may count that run
-        self._pending: list[tuple[int, list[torch.Tensor | None]]] = []
         self._forwarded: dict[str, str] = {}  # label -> type name, of modules whose output needed a gradient
         self._reached: set[str] = set()  # labels of those whose output received one
 
@@ -248,15 +270,16 @@ class _LayerAccumulator:
     def watch_module(self, index: int, label: str, module: nn.Module, names: list[str]) -> None:
         """Score the module's own parameters ``names`` without forming their gradient on the model.
 
-        The module re-runs, inside its output's gradient hook, on its saved inputs with detached copies of those
-        parameters (``torch.func.functional_call``); ``torch.autograd.grad`` of that copy with the output gradient g
-        is exactly ∇w = J_wᵀ g for this call. Nothing is set on the model's parameters, so this also holds when they
-        are sharded (FSDP2, ZeRO-3): the module's parameters are gathered for its backward.
+        The module re-runs, in the backward, on its saved inputs with detached copies of those parameters
+        (``torch.func.functional_call``); ``torch.autograd.grad`` of that copy with the output gradients g is
+        exactly ∇w = Σ_outputs J_wᵀ g for this call. Nothing is set on the model's parameters, so this also holds
+        when they are sharded (FSDP2, ZeRO-3): the module's parameters are gathered for its backward. The inputs
+        are saved through autograd (:class:`_ScoredByReplay`), so checkpointing frees and recomputes them.
         """
 
-        def forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             if self._replaying or not torch.is_grad_enabled():
-                return
+                return None
             outputs = _tensors(output)
             if outputs is None:
                 raise ValueError(
@@ -268,16 +291,22 @@ class _LayerAccumulator:
             if not positions:
                 if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
                     self._forwarded[label] = type(module).__name__  # a gradient came in, none can go out: refused
-                return
+                return None
             self._forwarded[label] = type(module).__name__
-            saved_args, saved_kwargs = _detached(args), _detached(kwargs)
+            leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+            tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+            inputs = [leaves[i].detach() for i in tensor_at]
+            # The closure keeps the non-tensor arguments only: the tensors go through autograd (see add_score).
+            template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
             device_type = outputs[positions[0]].device.type
             autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-            pending: list[torch.Tensor | None] = [None] * len(names)
-            if len(positions) > 1:
-                self._pending.append((index, pending))
 
-            def vector_jacobian(position: int, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            def add_score(inputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...]) -> None:
+                self._reached.add(label)
+                saved = list(template)
+                for i, tensor in zip(tensor_at, inputs):
+                    saved[i] = tensor
+                saved_args, saved_kwargs = torch.utils._pytree.tree_unflatten(saved, spec)
                 # ZeRO-3 partitions the module's own parameters outside its forward: gather them for the replay,
                 # and call forward, not the module's __call__, whose ZeRO-3 hooks expect ZeRO parameters.
                 # (_reparametrize_module is what torch.func.functional_call runs around __call__.)
@@ -288,37 +317,27 @@ class _LayerAccumulator:
                     self._replaying = True
                     try:
                         with torch.nn.utils.stateless._reparametrize_module(module, copies):
-                            replay = module.forward(*saved_args, **saved_kwargs)
+                            replay = _tensors(module.forward(*saved_args, **saved_kwargs))
                     finally:
                         self._replaying = False
-                    return torch.autograd.grad(_tensors(replay)[position], list(copies.values()), g, allow_unused=True)
+                    reached = [(replay[i], g) for i, g in zip(positions, grads) if g is not None]
+                    weight_grads = torch.autograd.grad(
+                        [r for r, _ in reached], list(copies.values()), [g for _, g in reached], allow_unused=True
+                    )
+                self.add(index, sum(gr.float().square().sum() for gr in weight_grads if gr is not None))
 
-            def make_hook(position: int) -> Callable[[torch.Tensor], None]:
-                def grad_hook(g: torch.Tensor) -> None:
-                    self._reached.add(label)
-                    grads = vector_jacobian(position, g.detach())
-                    if len(positions) == 1:
-                        self.add(index, sum(gr.float().square().sum() for gr in grads if gr is not None))
-                        return
-                    # Several outputs: ∇w = Σ_outputs J_wᵀ g, squared once the backward is over (flush).
-                    for k, gr in enumerate(grads):
-                        if gr is not None:
-                            pending[k] = gr if pending[k] is None else pending[k] + gr
-
-                return grad_hook
-
-            for position in positions:
-                outputs[position].register_hook(make_hook(position))
+            scored = _ScoredByReplay.apply(add_score, len(positions), *[outputs[i] for i in positions], *inputs)
+            replaced = dict(zip((id(outputs[i]) for i in positions), scored))
+            if isinstance(output, torch.Tensor):
+                return replaced[id(output)]
+            return type(output)(
+                replaced.get(id(item), item) if isinstance(item, torch.Tensor) else item for item in output
+            )
 
         self.handles.append(module.register_forward_hook(forward_hook, with_kwargs=True))
 
     def flush(self) -> None:
-        """After a backward: square the summed gradients of the modules with several differentiable outputs."""
-        for index, grads in self._pending:
-            total = sum(gr.float().square().sum() for gr in grads if gr is not None)
-            if isinstance(total, torch.Tensor):
-                self.add(index, total)
-        self._pending.clear()
+        """After a backward: nothing is left pending (each module's score is added in its backward)."""
 
     def check_reached(self) -> None:
         """Refuse scores that silently miss a module: it ran with gradients on, yet its output never got one."""

@@ -177,3 +177,15 @@ def test_scoring_under_non_reentrant_checkpointing_keeps_no_4bit_input_alive(tmp
     assert all(count > 0 for count in alive[False])  # the probe sees what a backward needs (no checkpointing)
     assert alive[True] == [0, 0, 0], alive
     assert_close(scores[True], scores[False], rtol=1e-6)
+
+
+def test_activations_mode_under_checkpointing_keeps_no_replay_input_alive():
+    # linear_grad="activations" (ZeRO-3, FSDP2) scores a norm by replaying it on its input in the backward. Held in
+    # a closure, that input outlived the forward under checkpointing: the post-attention norm's input (an
+    # intermediate, not a checkpointed layer input) stayed alive in every layer. Saved through autograd, it is freed.
+    model = tiny_llama().train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    norms = [layer.post_attention_layernorm for layer in model.model.layers]
+    scores, alive = score_counting_live_inputs(model, norms, "activations")
+    assert alive == [0, 0, 0], alive
+    assert_close(scores, brute_force_scores(tiny_llama(), make_batches()), rtol=1e-5)
