@@ -10,7 +10,10 @@ why a couple of steps suffice). Each run is a fresh subprocess:
 
 - ``fora``: Fisher scoring (in the trainer's ``__init__``), then training on the chosen layers;
 - ``fora, layers given``: the same layers given explicitly (``fora_layers``), so nothing is scored: training alone;
-- ``lora``: plain LoRA on every layer (``fora_mode: lora``), the same number of steps.
+- ``lora``: plain LoRA on every layer (``fora_mode: lora``), the same number of steps;
+- ``qfora`` and ``qfora, layers given``: the first two on the 4-bit NF4 base (QLoRA's quantisation, as in
+  ``example_configs/qfora_llama3_8b.yaml``), where every decoder linear is a ``Linear4bit`` scored from its input x
+  and output gradient g. Under checkpointing, x must not outlive the forward (issue 18): these rows show it.
 
 Memory is the resident set (RSS) read from ``/proc/self/status``: ``VmHWM`` is the kernel's own high-water mark of the
 RSS, so no sampling can miss a peak. Writing ``5`` to ``/proc/self/clear_refs`` resets it, which gives the peak of
@@ -112,6 +115,8 @@ def worker(run: str, steps: int, fisher_batches: int, layers: str | None, result
         ]  # fmt: skip
         if run == "lora":
             overrides += ["--fora_mode", "lora"]
+        if run == "qfora":
+            overrides += ["--load_in_4bit", "true", "--bnb_4bit_quant_type", "nf4", "--use_bnb_nested_quant", "true"]
         if layers is not None:
             overrides += ["--fora_layers", *map(str, json.loads(layers))]
         trainer = build_trainer(str(CONFIG), overrides)
@@ -138,6 +143,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2, help="training steps per run (default: 2)")
     parser.add_argument("--fisher-batches", type=int, default=2, help="Fisher batches (default: 2)")
+    parser.add_argument(
+        "--bases", nargs="+", choices=("float", "4bit"), default=["float", "4bit"], help="bases to run (default: both)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--layers", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -146,14 +154,23 @@ def main() -> None:
         worker(args.worker, args.steps, args.fisher_batches, args.layers, args.result)
         return
 
-    fora = measure("fora", args.steps, args.fisher_batches)
-    given = measure("fora", args.steps, args.fisher_batches, layers=fora["chosen"])
-    lora = measure("lora", args.steps, args.fisher_batches)
-    rows = [
-        ("fora (scoring, then training)", fora),
-        ("fora, layers given (training alone)", given),
-        ("lora (all layers)", lora),
-    ]
+    rows = []
+    if "float" in args.bases:
+        fora = measure("fora", args.steps, args.fisher_batches)
+        given = measure("fora", args.steps, args.fisher_batches, layers=fora["chosen"])
+        lora = measure("lora", args.steps, args.fisher_batches)
+        rows += [
+            ("fora (scoring, then training)", fora),
+            ("fora, layers given (training alone)", given),
+            ("lora (all layers)", lora),
+        ]
+    if "4bit" in args.bases:
+        qfora = measure("qfora", args.steps, args.fisher_batches)
+        qgiven = measure("qfora", args.steps, args.fisher_batches, layers=qfora["chosen"])
+        rows += [
+            ("qfora, 4-bit NF4 (scoring, then training)", qfora),
+            ("qfora, layers given (training alone)", qgiven),
+        ]
 
     def cell(peaks: dict, key: str) -> str:
         return f"{peaks[key] / GiB:.2f}" if key in peaks else "-"
@@ -165,12 +182,20 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for name, result in rows:
         print(f"| {name} | " + " | ".join(cell(result["peaks"], key) for key in keys) + " |")
-    scoring, training = fora["peaks"]["scoring"], given["peaks"]["training"]
-    print(f"\nscoring peak / training-alone peak: {scoring / training:.3f} (target <= 1.05)")
-    whole = fora["peaks"]["process"] / lora["peaks"]["process"]
-    print(f"fora whole run / lora whole run:    {whole:.3f} (target <= 1.0)")
-    after = fora["peaks"]["training"] / training
-    print(f"training peak after scoring / training alone: {after:.3f} (what scoring leaves behind)")
+    print()
+    if "float" in args.bases:
+        scoring, training = fora["peaks"]["scoring"], given["peaks"]["training"]
+        print(f"scoring peak / training-alone peak: {scoring / training:.3f} (target <= 1.05)")
+        whole = fora["peaks"]["process"] / lora["peaks"]["process"]
+        print(f"fora whole run / lora whole run:    {whole:.3f} (target <= 1.0)")
+        after = fora["peaks"]["training"] / training
+        print(f"training peak after scoring / training alone: {after:.3f} (what scoring leaves behind)")
+    if "4bit" in args.bases:
+        scoring, training = qfora["peaks"]["scoring"], qgiven["peaks"]["training"]
+        print(f"qfora scoring peak / training-alone peak: {scoring / training:.3f} (target <= 1.05)")
+        # What the scoring phase adds over the memory it starts from: the x held for x/g scoring shows here.
+        added = (scoring - qfora["peaks"]["scoring start"]) / (training - qgiven["peaks"]["training start"])
+        print(f"qfora scoring rise / training-alone rise:   {added:.3f} (peak above the phase's starting RSS)")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,33 @@
-"""What a trained adapter looks like: singular spectrum and effective rank of ΔW = BA, drift of lora_B."""
+"""What a trained adapter looks like: singular spectrum and effective rank of ΔW = BA, drift of lora_B.
+
+The training-log diagnostics (:func:`read_adapter_diagnostics`) make one host sync per log: on the device, each
+adapter is reduced to two r x r Gram matrices (BᵀB and AAᵀ) and every ``lora_B``'s drift to one number; all of them
+are read back in one transfer, and the r x r spectra are finished on the host (NumPy), where a LAPACK call costs no
+device sync. On an accelerator, a per-adapter SVD or ``.item()`` would each stall the launch queue.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
+
+
+def _entropy_effective_rank(s: np.ndarray) -> float:
+    """exp(−Σ pᵢ log pᵢ), pᵢ = σᵢ / Σσ, of host singular values; 0 for a zero matrix, NaN if one is not finite."""
+    s = np.asarray(s, dtype=np.float64)
+    if not np.all(np.isfinite(s)):
+        return math.nan
+    s = np.clip(s, 0.0, None)
+    total = s.sum()
+    if total <= 0:
+        return 0.0
+    p = s[s > 0] / total
+    return float(np.exp(-(p * np.log(p)).sum()))
 
 
 def effective_rank(singular_values: torch.Tensor) -> float:
@@ -16,16 +36,7 @@ def effective_rank(singular_values: torch.Tensor) -> float:
     NaN if a singular value is NaN or inf (an adapter with non-finite weights): a diagnostic never raises on a
     diverged run, it reports it; :class:`fora_plugin.monitor.DivergenceMonitor` names the cause.
     """
-    s = singular_values.detach().double()
-    if not torch.all(torch.isfinite(s)):
-        return math.nan
-    s = s.clamp_min(0)
-    total = s.sum()
-    if total <= 0:
-        return 0.0
-    p = s / total
-    p = p[p > 0]
-    return float(torch.exp(-(p * p.log()).sum()))
+    return _entropy_effective_rank(np.array(singular_values.detach().double().tolist()))
 
 
 def delta_w_singular_values(lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
@@ -41,6 +52,28 @@ def delta_w_singular_values(lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch
     return torch.linalg.svdvals(R @ lora_a)  # (r,)
 
 
+def adapter_grams(lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+    """(BᵀB, AAᵀ) stacked, (2, r, r) in float64, on the adapter's device: all the spectrum of ΔW = BA needs.
+
+    float64 because the spectrum comes from Gram matrices, whose eigenvalues are σ²: in float32 a singular value
+    below ~3e-4 σ_max would be lost to rounding. A non-finite A or B gives a non-finite Gram matrix.
+    """
+    lora_a, lora_b = lora_a.detach().double(), lora_b.detach().double()
+    return torch.stack((lora_b.mT @ lora_b, lora_a @ lora_a.mT))  # (2, r, r)
+
+
+def singular_values_from_grams(grams: np.ndarray) -> np.ndarray:
+    """σ(BA) from host (BᵀB, AAᵀ) (2, r, r): σ² are the eigenvalues of S AAᵀ S, S = (BᵀB)^½ (the same nonzero
+    eigenvalues as (BA)ᵀ(BA) = Aᵀ S² A). All NaN if either Gram matrix is not finite."""
+    btb, aat = grams
+    if not (np.all(np.isfinite(btb)) and np.all(np.isfinite(aat))):
+        return np.full(btb.shape[0], math.nan)
+    w, v = np.linalg.eigh(btb)  # (r,), (r, r)
+    root = (v * np.sqrt(np.clip(w, 0.0, None))) @ v.T  # (r, r)
+    squared = np.linalg.eigvalsh(root @ aat @ root)  # (r,)
+    return np.sqrt(np.clip(squared, 0.0, None))[::-1]  # descending, as svdvals
+
+
 def lora_pairs(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor, torch.Tensor]]:
     """``(module name, adapter name, A weight, B weight)`` of every linear LoRA adapter of a PEFT model."""
     for name, module in model.named_modules():
@@ -51,8 +84,37 @@ def lora_pairs(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor, torch
                 yield name, adapter, module.lora_A[adapter].weight, lora_b.weight
 
 
+def largest_drift(drifts: list[torch.Tensor]) -> torch.Tensor:
+    """The largest of the ``drifts`` (device tensors of ‖BᵀB − I‖ values) as a 0-dim float64 device tensor; NaN if
+    one is NaN (``max`` propagates it), 0 if there are none."""
+    if not drifts:
+        return torch.zeros((), dtype=torch.float64)
+    device = drifts[0].device  # a model spread over devices (device_map="auto") reduces on the first one
+    return torch.stack([d.detach().double().max().to(device) for d in drifts]).max()
+
+
+def read_adapter_diagnostics(model: nn.Module, drifts: list[torch.Tensor] | None = None) -> tuple[float, float]:
+    """``(largest drift, mean effective rank of ΔW)`` with one host sync.
+
+    The largest of ``drifts`` (:func:`largest_drift`), and the mean entropy effective rank over the model's LoRA
+    adapters (0.0 if there are none; NaN if one adapter has non-finite weights).
+    """
+    grams = [adapter_grams(a, b) for _, _, a, b in lora_pairs(model)]  # each (2, r, r)
+    drift = largest_drift(drifts or [])
+    device = drifts[0].device if drifts else grams[0].device if grams else drift.device
+    flat = torch.cat([drift.to(device).reshape(1), *(g.to(device).reshape(-1) for g in grams)])
+    values = np.array(flat.tolist())  # the one host sync
+    effective_ranks = []
+    offset = 1
+    for g in grams:
+        host = values[offset : offset + g.numel()].reshape(g.shape)
+        effective_ranks.append(_entropy_effective_rank(singular_values_from_grams(host)))
+        offset += g.numel()
+    mean_rank = sum(effective_ranks) / len(effective_ranks) if effective_ranks else 0.0
+    return float(values[0]), mean_rank
+
+
 def mean_effective_rank(model: nn.Module) -> float:
     """Mean entropy effective rank of ΔW over the model's LoRA adapters (0 if there are none; NaN if one adapter
-    has non-finite weights)."""
-    ranks = [effective_rank(delta_w_singular_values(a, b)) for _, _, a, b in lora_pairs(model)]
-    return sum(ranks) / len(ranks) if ranks else 0.0
+    has non-finite weights), with one host sync."""
+    return read_adapter_diagnostics(model)[1]

@@ -167,6 +167,51 @@ def _detached(value: Any) -> Any:
     return value
 
 
+class _ScoredByInput(torch.autograd.Function):
+    """The identity on a linear's output y, whose backward also scores the linear from g = ∂L/∂y and its input x.
+
+    x is saved for backward (``save_for_backward``), so checkpointing treats it as any saved activation: it is
+    dropped after the forward and recomputed for the backward. The backward runs once per backward pass, also under
+    checkpointing: a non-reentrant recompute's graph is never run backward, and a reentrant checkpoint's first
+    forward runs without gradients (the forward hook passes then).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, x: torch.Tensor, add_score: Callable) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.add_score = add_score
+        return output  # returned as is: autograd makes it a view with this node as its grad_fn, no copy
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (x,) = ctx.saved_tensors
+        ctx.add_score(g.detach(), x)
+        return g, None, None
+
+
+class _ScoredByReplay(torch.autograd.Function):
+    """The identity on a module's differentiable outputs, whose backward also scores the module's own parameters
+    by a replay on its inputs with the outputs' gradients (``_LayerAccumulator.watch_module``).
+
+    The inputs are saved for backward, so checkpointing drops and recomputes them like any activation, and the
+    backward gets every output's gradient at once (None for an output that got none): one replay per call.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, add_score: Callable, num_outputs: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.save_for_backward(*tensors[num_outputs:])
+        ctx.add_score, ctx.num_outputs = add_score, num_outputs
+        ctx.set_materialize_grads(False)
+        return tuple(tensors[:num_outputs])  # returned as is: views with this node as their grad_fn, no copy
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        inputs = ctx.saved_tensors  # read once: checkpointing unpacks each saved tensor once
+        if any(g is not None for g in grads):
+            ctx.add_score(inputs, tuple(None if g is None else g.detach() for g in grads))
+        return (None, None, *grads, *([None] * len(inputs)))
+
+
 class _LayerAccumulator:
     """Hooks that add squared gradient norms into per-layer totals (a device tensor) as gradients appear."""
 
@@ -174,7 +219,6 @@ class _LayerAccumulator:
         self.totals = torch.zeros(num_layers, dtype=torch.float32, device=device)
         self.handles: list[Any] = []
         self._replaying = False  # set while a module re-runs inside a gradient hook: no hook may count that run
-        self._pending: list[tuple[int, list[torch.Tensor | None]]] = []
         self._forwarded: dict[str, str] = {}  # label -> type name, of modules whose output needed a gradient
         self._reached: set[str] = set()  # labels of those whose output received one
 
@@ -190,48 +234,52 @@ class _LayerAccumulator:
         self.handles.append(param.register_post_accumulate_grad_hook(hook))
 
     def watch_linear(self, index: int, label: str, linear: nn.Module, with_bias: bool) -> None:
-        """Score a linear-like module's weight (and bias) from its input x and output gradient g: ∇W = Σ_t g xᵀ."""
+        """Score a linear-like module's weight (and bias) from its input x and output gradient g: ∇W = Σ_t g xᵀ.
 
-        # The output's gradient hook fires once per backward even under gradient checkpointing: a reentrant
-        # recompute's first forward runs without grad (no hook), a non-reentrant recompute's output is not on the
-        # backward path (its hook never fires).
-        def forward_hook(module: nn.Module, args: tuple, output: Any) -> None:
+        The output goes on through :class:`_ScoredByInput`, which saves x for backward: autograd, not a closure,
+        holds x, so gradient checkpointing frees and recomputes it like any activation.
+        """
+
+        def add_score(g: torch.Tensor, x: torch.Tensor) -> None:
+            self._reached.add(label)
+            g2 = g.reshape(-1, g.shape[-1]).float()  # (T, out)
+            x2 = x.reshape(-1, x.shape[-1]).float()  # (T, in)
+            total = squared_norm_of_outer_sum(g2, x2)  # Conv1D's (in, out) weight has the same norm
+            if with_bias:
+                total = total + g2.sum(dim=0).square().sum()
+            self.add(index, total)
+
+        def forward_hook(module: nn.Module, args: tuple, output: Any) -> Any:
             if self._replaying or not torch.is_grad_enabled():
-                return
+                return None
             outputs = _tensors(output)
             x = args[0]
             if not outputs or not outputs[0].requires_grad:
                 if isinstance(x, torch.Tensor) and x.requires_grad:
                     self._forwarded[label] = type(module).__name__  # a gradient came in, none can go out: refused
-                return
+                return None
             self._forwarded[label] = type(module).__name__
-            x = x.detach()
-
-            def grad_hook(g: torch.Tensor) -> None:
-                self._reached.add(label)
-                g2 = g.detach().reshape(-1, g.shape[-1]).float()  # (T, out)
-                x2 = x.reshape(-1, x.shape[-1]).float()  # (T, in)
-                total = squared_norm_of_outer_sum(g2, x2)  # Conv1D's (in, out) weight has the same norm
-                if with_bias:
-                    total = total + g2.sum(dim=0).square().sum()
-                self.add(index, total)
-
-            outputs[0].register_hook(grad_hook)
+            scored = _ScoredByInput.apply(outputs[0], x.detach(), add_score)
+            if isinstance(output, torch.Tensor):
+                return scored
+            first = next(i for i, item in enumerate(output) if item is outputs[0])
+            return type(output)((*output[:first], scored, *output[first + 1 :]))
 
         self.handles.append(linear.register_forward_hook(forward_hook))
 
     def watch_module(self, index: int, label: str, module: nn.Module, names: list[str]) -> None:
         """Score the module's own parameters ``names`` without forming their gradient on the model.
 
-        The module re-runs, inside its output's gradient hook, on its saved inputs with detached copies of those
-        parameters (``torch.func.functional_call``); ``torch.autograd.grad`` of that copy with the output gradient g
-        is exactly ∇w = J_wᵀ g for this call. Nothing is set on the model's parameters, so this also holds when they
-        are sharded (FSDP2, ZeRO-3): the module's parameters are gathered for its backward.
+        The module re-runs, in the backward, on its saved inputs with detached copies of those parameters
+        (``torch.func.functional_call``); ``torch.autograd.grad`` of that copy with the output gradients g is
+        exactly ∇w = Σ_outputs J_wᵀ g for this call. Nothing is set on the model's parameters, so this also holds
+        when they are sharded (FSDP2, ZeRO-3): the module's parameters are gathered for its backward. The inputs
+        are saved through autograd (:class:`_ScoredByReplay`), so checkpointing frees and recomputes them.
         """
 
-        def forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             if self._replaying or not torch.is_grad_enabled():
-                return
+                return None
             outputs = _tensors(output)
             if outputs is None:
                 raise ValueError(
@@ -243,16 +291,22 @@ class _LayerAccumulator:
             if not positions:
                 if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
                     self._forwarded[label] = type(module).__name__  # a gradient came in, none can go out: refused
-                return
+                return None
             self._forwarded[label] = type(module).__name__
-            saved_args, saved_kwargs = _detached(args), _detached(kwargs)
+            leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+            tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+            inputs = [leaves[i].detach() for i in tensor_at]
+            # The closure keeps the non-tensor arguments only: the tensors go through autograd (see add_score).
+            template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
             device_type = outputs[positions[0]].device.type
             autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-            pending: list[torch.Tensor | None] = [None] * len(names)
-            if len(positions) > 1:
-                self._pending.append((index, pending))
 
-            def vector_jacobian(position: int, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            def add_score(inputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...]) -> None:
+                self._reached.add(label)
+                saved = list(template)
+                for i, tensor in zip(tensor_at, inputs):
+                    saved[i] = tensor
+                saved_args, saved_kwargs = torch.utils._pytree.tree_unflatten(saved, spec)
                 # ZeRO-3 partitions the module's own parameters outside its forward: gather them for the replay,
                 # and call forward, not the module's __call__, whose ZeRO-3 hooks expect ZeRO parameters.
                 # (_reparametrize_module is what torch.func.functional_call runs around __call__.)
@@ -263,37 +317,27 @@ class _LayerAccumulator:
                     self._replaying = True
                     try:
                         with torch.nn.utils.stateless._reparametrize_module(module, copies):
-                            replay = module.forward(*saved_args, **saved_kwargs)
+                            replay = _tensors(module.forward(*saved_args, **saved_kwargs))
                     finally:
                         self._replaying = False
-                    return torch.autograd.grad(_tensors(replay)[position], list(copies.values()), g, allow_unused=True)
+                    reached = [(replay[i], g) for i, g in zip(positions, grads) if g is not None]
+                    weight_grads = torch.autograd.grad(
+                        [r for r, _ in reached], list(copies.values()), [g for _, g in reached], allow_unused=True
+                    )
+                self.add(index, sum(gr.float().square().sum() for gr in weight_grads if gr is not None))
 
-            def make_hook(position: int) -> Callable[[torch.Tensor], None]:
-                def grad_hook(g: torch.Tensor) -> None:
-                    self._reached.add(label)
-                    grads = vector_jacobian(position, g.detach())
-                    if len(positions) == 1:
-                        self.add(index, sum(gr.float().square().sum() for gr in grads if gr is not None))
-                        return
-                    # Several outputs: ∇w = Σ_outputs J_wᵀ g, squared once the backward is over (flush).
-                    for k, gr in enumerate(grads):
-                        if gr is not None:
-                            pending[k] = gr if pending[k] is None else pending[k] + gr
-
-                return grad_hook
-
-            for position in positions:
-                outputs[position].register_hook(make_hook(position))
+            scored = _ScoredByReplay.apply(add_score, len(positions), *[outputs[i] for i in positions], *inputs)
+            replaced = dict(zip((id(outputs[i]) for i in positions), scored))
+            if isinstance(output, torch.Tensor):
+                return replaced[id(output)]
+            return type(output)(
+                replaced.get(id(item), item) if isinstance(item, torch.Tensor) else item for item in output
+            )
 
         self.handles.append(module.register_forward_hook(forward_hook, with_kwargs=True))
 
     def flush(self) -> None:
-        """After a backward: square the summed gradients of the modules with several differentiable outputs."""
-        for index, grads in self._pending:
-            total = sum(gr.float().square().sum() for gr in grads if gr is not None)
-            if isinstance(total, torch.Tensor):
-                self.add(index, total)
-        self._pending.clear()
+        """After a backward: nothing is left pending (each module's score is added in its backward)."""
 
     def check_reached(self) -> None:
         """Refuse scores that silently miss a module: it ran with gradients on, yet its output never got one."""
@@ -469,7 +513,8 @@ def fisher_scores(
             "Lower fisher_batches or use more data to silence this.",
             stacklevel=2,
         )
-    stats = torch.cat((accumulator.totals, torch.tensor([float(count)], device=device)))  # (L + 1,)
+    # The count joins the totals on the device without a host-to-device copy (a blocking copy waits for the stream).
+    stats = torch.cat((accumulator.totals, accumulator.totals.new_full((1,), count)))  # (L + 1,)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(stats)
     *totals, total_batches = stats.tolist()  # the one host sync

@@ -29,7 +29,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .adapter import expert_blocks, make_stiefel, stiefel_num_experts, stiefel_parameters
 from .config import FoRAConfig
-from .diagnostics import mean_effective_rank
+from .diagnostics import largest_drift, read_adapter_diagnostics
 from .fisher import FisherScores, find_decoder_layers, is_linear_like
 from .fsdp import gathered_adapters
 from .plots import plot_fisher_scores
@@ -426,12 +426,10 @@ class FoRALogs:
         # FSDP2 they are row shards. Both gathers are collectives that do nothing elsewhere.
         points = client.stiefel_points() if isinstance(client, Zero3FoRAOptimizer) else {}
         with gathered_trainable_parameters(model), gathered_adapters(model, optimizer):
-            logs = {
-                "fora/max_orthogonality_error": _max_drift(
-                    model, client.stiefel if client is not None else optimizer, points
-                ),
-                "fora/mean_effective_rank": mean_effective_rank(model),
-            }
+            # Everything on the device, read back once: a host sync per adapter would stall a GPU's launch queue.
+            drifts = _drifts(model, client.stiefel if client is not None else optimizer, points)
+            max_drift, mean_rank = read_adapter_diagnostics(model, drifts)
+        logs = {"fora/max_orthogonality_error": max_drift, "fora/mean_effective_rank": mean_rank}
         if client is not None and client.last_grad_norm is not None:
             # DeepSpeed reports the norm of the partitioned lora_A gradients only; FoRA clipped by this one.
             logs["grad_norm"] = client.last_grad_norm
@@ -445,9 +443,10 @@ class FoRALogs:
         return logs
 
 
-def _max_drift(
+def _drifts(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, points: dict[torch.Tensor, torch.Tensor] | None = None
-) -> float:
+) -> list[torch.Tensor]:
+    """‖BᵀB − I‖ of every Stiefel lora_B, as device tensors (one per matrix, (E,) for E fused experts)."""
     # A bf16 lora_B is its fp32 master rounded; the master is the point on the manifold.
     # A lora_B of E fused experts is E Stiefel matrices: each block's own drift.
     state = optimizer.state if optimizer is not None else {}
@@ -457,5 +456,12 @@ def _max_drift(
         b = (points or {}).get(p, state.get(p, {}).get("master", p)).detach().float()  # (d_out, r·E)
         if id(p) in experts:
             b = expert_blocks(b, experts[id(p)])  # (E, d_out, r)
-        drifts.append(orthogonality_error(b).max().item())
-    return max(drifts, default=0.0)
+        drifts.append(orthogonality_error(b))
+    return drifts
+
+
+def _max_drift(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, points: dict[torch.Tensor, torch.Tensor] | None = None
+) -> float:
+    """The largest ‖BᵀB − I‖ over the model's Stiefel lora_B (a host read: for checks, not for the logs)."""
+    return largest_drift(_drifts(model, optimizer, points)).item()

@@ -298,3 +298,25 @@ def test_contributions_from_another_device_are_moved_to_the_totals_device():
     accumulator.add(1, elsewhere)
     elsewhere.to.assert_called_once_with(accumulator.totals.device)
     assert accumulator.totals.tolist() == [0.0, 3.0]
+
+
+@pytest.mark.parametrize("linear_grad", ["auto", "activations"])
+@pytest.mark.parametrize("checkpointing", [None, False, True])  # off, non-reentrant, reentrant
+def test_a_scoring_run_makes_one_host_sync(linear_grad, checkpointing):
+    # Scores accumulate on the device; the totals and the batch count are read back once, after the last batch (a
+    # read per batch or per layer would stall a GPU's launch queue). Budget: what the model's own training forward
+    # and backward make per batch (transformers' packed-sequence check in train mode: 1), plus one per run.
+    from fora_plugin.host_sync import HostSyncCounter
+
+    model = tiny_llama().train()
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+    batches = make_batches()
+    with HostSyncCounter() as training:
+        model(**batches[0]).loss.backward()
+    assert all("fora_plugin" not in " ".join(s.where) for s in training.syncs)
+    model.zero_grad(set_to_none=True)
+    with HostSyncCounter() as syncs:
+        result = fisher_scores(model, batches, 3, linear_grad=linear_grad, progress=False)
+    assert syncs.count == len(batches) * training.count + 1, syncs.report()
+    assert_close(result.scores, brute_force_scores(tiny_llama(), batches))
