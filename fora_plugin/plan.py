@@ -219,6 +219,18 @@ def plan_setup(
         notes.append("Axolotl config: read through its TRL equivalents (model, shapes, precision, LoRA, fora_*).")
     # FSDP is checked here with the planned number of GPUs; TrainingArguments would refuse it in one process.
     fsdp = {k: data.pop(k) for k in ("fsdp", "fsdp_config") if k in data}
+    # So is DeepSpeed (TrainingArguments sets it up for this process): read and checked below as FoRA checks it.
+    deepspeed = data.pop("deepspeed", None)
+    overrides = list(overrides)
+    for flag in ("--deepspeed", "--fsdp", "--fsdp_config"):
+        while flag in overrides:
+            i = overrides.index(flag)
+            value = overrides[i + 1] if i + 1 < len(overrides) else None
+            del overrides[i : i + 2]
+            if flag == "--deepspeed":
+                deepspeed = value
+            else:
+                fsdp[flag[2:]] = json.loads(value) if flag == "--fsdp_config" and value else value
     with tempfile.TemporaryDirectory() as tmp:
         staged = Path(tmp, "config.yaml")
         staged.write_text(yaml.safe_dump(data))
@@ -232,9 +244,9 @@ def plan_setup(
     hf_config = load_model_config(path)
 
     engine = "ddp" if gpus > 1 else "single"
-    if training_args.deepspeed:
-        name = f"deepspeed={training_args.deepspeed!r}" if isinstance(training_args.deepspeed, str) else "deepspeed"
-        ds = load_deepspeed_config(training_args.deepspeed)
+    if deepspeed:
+        name = f"deepspeed={deepspeed!r}" if isinstance(deepspeed, str) else "deepspeed"
+        ds = load_deepspeed_config(deepspeed)
         check_deepspeed_config(ds, fora, name=name)
         stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
         engine = f"zero{stage}" if stage else engine
@@ -267,9 +279,11 @@ def plan_setup(
             )
     model_args.use_peft = True
     lora = get_peft_config(model_args)
-    checkpointing = bool(
-        getattr(training_args, "activation_checkpointing", None) or getattr(training_args, "gradient_checkpointing")
+    # transformers 5.23 renamed gradient_checkpointing to activation_checkpointing (the old name is deprecated).
+    name = (
+        "activation_checkpointing" if hasattr(training_args, "activation_checkpointing") else "gradient_checkpointing"
     )
+    checkpointing = bool(getattr(training_args, name))
     return PlanSetup(
         config=config,
         model_ref=model_args.model_name_or_path,
@@ -713,14 +727,13 @@ def verdict(setup: PlanSetup, result: dict[str, Any], gpu_memory: float | None) 
     scoring_total = sum(scoring.values()) if scoring else 0
     worst = max(step_total, scoring_total)
     if worst <= limit:
-        return f"fits: {mode} peaks at {worst / GIB:.1f} GiB of {gpu_memory:g} GiB per GPU."
+        return f"fits: {mode} peaks at {worst / GIB:.3g} GiB of {gpu_memory:g} GiB per GPU."
     fixes = []
     if scoring_total > limit >= step_total:
         fixes.append(
             "fora_scores_path (score once with `fora score` where it fits, e.g. on more GPUs or a bigger one) "
             "or fora_layers: scoring is what overflows"
         )
-    over = max((scoring or step) if scoring_total > step_total else step, key=lambda k: (scoring or step)[k])
     kinds = scoring if scoring_total > step_total else step
     over = max(kinds, key=kinds.get)
     if over in ("activations", "transient"):
@@ -739,7 +752,7 @@ def verdict(setup: PlanSetup, result: dict[str, Any], gpu_memory: float | None) 
     if not fixes:
         fixes.append("a GPU with more memory, or FSDP2/ZeRO-3 over more GPUs")
     return (
-        f"does not fit: {mode} peaks at {worst / GIB:.1f} GiB, over {gpu_memory:g} GiB per GPU. Fix: "
+        f"does not fit: {mode} peaks at {worst / GIB:.3g} GiB, over {gpu_memory:g} GiB per GPU. Fix: "
         + "; or ".join(fixes)
         + "."
     )
@@ -804,6 +817,7 @@ def plan_json(setup: PlanSetup, result: dict[str, Any], gpu_memory: float | None
         }
     return {
         "config": setup.config,
+        "output_dir": str(setup.output_dir),
         "model": setup.model_ref,
         "model_config": str(setup.model_config_path),
         "batch_size": setup.batch_size,
@@ -829,9 +843,7 @@ def plot_plan(path: Path, setup: PlanSetup, result: dict[str, Any], gpu_memory: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars = [
-        (f"{mode}\n{name}", kinds_of(p)) for mode, entry in result["phases"].items() for name, p in entry.items()
-    ]
+    bars = [(f"{mode}\n{name}", kinds_of(p)) for mode, entry in result["phases"].items() for name, p in entry.items()]
     fig, ax = plt.subplots(figsize=(1.4 * len(bars) + 2, 4.5))
     bottom = [0.0] * len(bars)
     colors = {"weights": "#4c72b0", "lora": "#dd8452", "activations": "#55a868", "transient": "#c44e52"}
