@@ -16,7 +16,6 @@ from fora_plugin.plan import (
     MODEL_CONFIGS,
     FourBit,
     kinds_of,
-    plan,
     plan_setup,
     run_plan,
 )
@@ -94,7 +93,7 @@ def test_four_bit_weights_take_their_packed_size(tmp_path):
     model = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.bfloat16)  # fp32 rotary buffers
     spec = FourBit(nested=True)
     expected = 0
-    for name, module in model.named_modules():
+    for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module is not model.lm_head:
             expected += spec.packed_bytes(module.weight.numel())
     linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)} - {
