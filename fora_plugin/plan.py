@@ -664,9 +664,30 @@ def _shard(setup: PlanSetup, phase: Phase, scoring: bool, mode: str) -> tuple[Ph
         return phase, f"{engine}: scoring holds the whole model on every GPU (before sharding)"
     peak = {k: (math.ceil(v / w) if k in sharded else v) for k, v in phase.peak.items()}
     note = f"{engine} over {w} GPUs: {', '.join(sharded)} divided by {w} (computed, not simulated ranks)"
+    if "weights" in sharded:
+        # Gathered while computing: the current and the prefetched decoder layer, and the output head.
+        layer, head = _gathered_bytes(setup)
+        peak["transient"] = peak.get("transient", 0) + 2 * layer + head
+        note += f"; + two gathered decoder layers and the head ({(2 * layer + head) / GIB:.2f} GiB) as transient"
     if engine in ("zero1", "zero2") and mode == "fora":
         note += "; FoRA's Stiefel lora_B states are replicated, counted as divided"
     return dataclasses.replace(phase, peak=peak), note
+
+
+def _gathered_bytes(setup: PlanSetup) -> tuple[int, int]:
+    """Bytes of the largest decoder layer's weights (4-bit packed where the run quantizes) and of the output head."""
+    from .fisher import find_decoder_layers
+
+    model = _meta_model(setup)
+    four_bit = {id(m.weight) for m in _four_bit_linears(model)} if setup.four_bit is not None else set()
+
+    def size(p: torch.Tensor) -> int:
+        return setup.four_bit.packed_bytes(p.numel()) if id(p) in four_bit else p.numel() * p.element_size()
+
+    _, layers = find_decoder_layers(model)
+    layer = max(sum(size(p) for p in block.parameters()) for block in layers)
+    head = model.get_output_embeddings()
+    return layer, sum(size(p) for p in head.parameters()) if head is not None else 0
 
 
 # ---------------------------------------------------------------------------------------------------------- run

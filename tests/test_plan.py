@@ -174,6 +174,10 @@ def test_sharded_engines_divide_what_they_shard(tmp_path):
     sharded = result["phases"]["lora"]["step"]
     assert sharded.peak["weights"] == -(-single.peak["weights"] // 4)
     assert sharded.peak["activations"] == single.peak["activations"]
+    # FSDP/ZeRO-3 gather two decoder layers and the head while computing: counted as transient, in bf16 here.
+    kv = KV_HEADS * HIDDEN // HEADS
+    layer = 2 * (2 * HIDDEN * HIDDEN + 2 * HIDDEN * kv + 3 * HIDDEN * INTERMEDIATE + 2 * HIDDEN)
+    assert sharded.peak["transient"] == single.peak["transient"] + 2 * layer + 2 * VOCAB * HIDDEN
     assert any("divided by 4" in note for note in result["notes"])
 
 
