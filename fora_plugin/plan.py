@@ -669,8 +669,8 @@ def _shard(setup: PlanSetup, phase: Phase, scoring: bool, mode: str) -> tuple[Ph
         layer, head = _gathered_bytes(setup)
         peak["transient"] = peak.get("transient", 0) + 2 * layer + head
         note += f"; + two gathered decoder layers and the head ({(2 * layer + head) / GIB:.2f} GiB) as transient"
-    if engine in ("zero1", "zero2") and mode == "fora":
-        note += "; FoRA's Stiefel lora_B states are replicated, counted as divided"
+    if engine in ("zero1", "zero2"):
+        note += " (fora's Stiefel lora_B states are kept whole on every rank: divided here, a small under-count)"
     return dataclasses.replace(phase, peak=peak), note
 
 
@@ -784,6 +784,14 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f}"
 
 
+def _planned_k(setup: PlanSetup) -> str:
+    from .selection import resolve_layer_budget
+
+    if setup.fora.layers is not None:
+        return f"{len(setup.fora.layers)} (fora_layers)"
+    return str(resolve_layer_budget(setup.fora.layer_budget, setup.model_config.num_hidden_layers))
+
+
 def format_plan(setup: PlanSetup, result: dict[str, Any], gpu_memory: float | None) -> str:
     """The table `fora plan` prints: per GPU, per mode and phase, memory by kind in GiB, FLOPs, trainable params."""
     cfg = setup.model_config
@@ -797,8 +805,8 @@ def format_plan(setup: PlanSetup, result: dict[str, Any], gpu_memory: float | No
     lines = [
         f"fora plan: {setup.model_ref} ({cfg.model_type}, {layers} layers; {setup.model_config_path})",
         f"  batch {setup.batch_size} x seq {setup.seq_len} per GPU, {precision}, checkpointing "
-        f"{'on' if setup.checkpointing else 'off'}, LoRA r {setup.lora.r}, K = "
-        f"{setup.fora.layer_budget} of the layers, {setup.engine} on {setup.gpus} GPU(s)",
+        f"{'on' if setup.checkpointing else 'off'}, LoRA r {setup.lora.r}, fora/fg-lora K = "
+        f"{_planned_k(setup)} of {layers} layers, {setup.engine} on {setup.gpus} GPU(s)",
         "",
         "| mode | phase | weights | LoRA+grads+opt | activations | transient | peak GiB | TFLOPs | trainable |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
