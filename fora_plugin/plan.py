@@ -193,6 +193,8 @@ def _axolotl_as_trl(cfg: dict[str, Any]) -> dict[str, Any]:
     out.update({k: v for k, v in cfg.items() if k.startswith("fora_")})
     if out.get("bf16") == "auto":
         out["bf16"] = True
+    # Axolotl loads the base in the training precision (bf16 / fp16 / fp32).
+    out["dtype"] = "bfloat16" if out.get("bf16") else "float16" if out.get("fp16") else "float32"
     if cfg.get("fsdp_version") is not None or cfg.get("fsdp_config"):
         fsdp = dict(cfg.get("fsdp_config") or {})
         fsdp["version"] = int(cfg.get("fsdp_version") or fsdp.get("fsdp_version") or 1)
