@@ -410,15 +410,19 @@ def _four_bit_linears(model: nn.Module) -> list[nn.Linear]:
 
 @contextlib.contextmanager
 def _dequantized_during_matmul(linears: list[nn.Linear], dtype: torch.dtype):
-    """One dequantized weight alive for each 4-bit matmul, as bitsandbytes' dequantize + matmul holds it."""
+    """One dequantized weight alive beside each 4-bit matmul's output, in the forward and in the backward, as
+    bitsandbytes' dequantize + matmul holds it. Allocated and dropped at once: nothing stays on the module (a
+    checkpoint recompute that stops early never reaches a forward's end)."""
 
-    def pre(module, args):
-        module._plan_dequantized = torch.empty(module.weight.shape, dtype=dtype, device=module.weight.device)
+    def dequantized(weight: torch.Tensor) -> None:
+        torch.empty(weight.shape, dtype=dtype, device=weight.device)
 
     def post(module, args, output):
-        module._plan_dequantized = None
+        dequantized(module.weight)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda g, w=module.weight: dequantized(w))
 
-    handles = [h for m in linears for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    handles = [m.register_forward_hook(post) for m in linears]
     try:
         yield
     finally:
