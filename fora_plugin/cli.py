@@ -1,4 +1,4 @@
-"""The ``fora`` command line: ``train``, ``score``, ``eval``, ``report`` and ``ablate``.
+"""The ``fora`` command line: ``train``, ``score``, ``plan``, ``eval``, ``report`` and ``ablate``.
 
 A config is a ``trl sft`` config (``ScriptArguments`` + ``SFTConfig`` + ``ModelConfig`` keys) plus ``fora_*`` keys
 (:class:`FoRAConfig`'s fields with a prefix). Any key can be overridden on the command line:
@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_mt_bench_arguments(evaluate)
 
+    # ---- plan (fora_plugin/plan.py) ----
+    add_plan_parser(commands)
+    # ---- end plan ----
+
     report = commands.add_parser("report", help="spectra, effective rank, drift and KL of LoRA adapters")
     report.add_argument("adapter", help="a PEFT LoRA adapter folder")
     report.add_argument("--vs", nargs="*", default=[], help="other adapters to compare with")
@@ -161,6 +165,57 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--kl-max-tokens", type=int, default=1024, help="tokens of the KL text (default: 1024)")
     report.add_argument("--output", help="folder for report.json, report.md and PNGs (default: the adapter's)")
     return parser
+
+
+# ---- plan (fora_plugin/plan.py) -----------------------------------------------------------------------------
+def add_plan_parser(commands) -> None:
+    text = "memory per GPU and FLOPs of a run, on fake tensors at its real shapes: no GPU, no weights"
+    command = commands.add_parser(
+        "plan",
+        help=text,
+        description=textwrap.fill(
+            text + ". Runs one Fisher scoring batch and one training step of fora, fg-lora and lora with FoRA's own "
+            "code, builds the model from its config.json alone, and writes plan.json and plan.png. Extra --key "
+            "value pairs override the config's keys, as for `fora train`.",
+            100,
+        ),
+        epilog=fora_keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    command.add_argument("config", help="a `fora train` YAML config (or an Axolotl one)")
+    command.add_argument("--gpus", default="1", help="number of GPUs the run uses (default: 1)")
+    command.add_argument("--gpu-memory", help="memory of one GPU in GiB, for the verdict (e.g. 80)")
+    command.add_argument("--model-config", help="config.json of the model, when model_name_or_path has none here")
+    command.add_argument("--output", help="folder for plan.json and plan.png (default: the config's output_dir)")
+
+
+def plan_command(args: argparse.Namespace, overrides: list[str]) -> int:
+    from .plan import plan
+
+    try:
+        gpus = int(args.gpus)
+    except ValueError:
+        gpus = None
+    if gpus is None or gpus < 1:
+        raise ValueError(f"--gpus {args.gpus}: give the number of GPUs, an integer >= 1.")
+    gpu_memory = None
+    if args.gpu_memory is not None:
+        try:
+            gpu_memory = float(args.gpu_memory)
+        except ValueError:
+            gpu_memory = None
+        if gpu_memory is None or not gpu_memory > 0 or gpu_memory == float("inf"):
+            raise ValueError(f"--gpu-memory {args.gpu_memory}: give one GPU's memory in GiB, a number > 0 (e.g. 80).")
+    text, payload = plan(
+        args.config, overrides, gpus=gpus, gpu_memory=gpu_memory, model_config=args.model_config, output=args.output
+    )
+    print(text)
+    out = Path(args.output) if args.output else Path(payload["output_dir"])
+    print(f"\n  plan: {(out / 'plan.json').resolve()}\n  plot: {(out / 'plan.png').resolve()}")
+    return 0
+
+
+# ---- end plan --------------------------------------------------------------------------------------------------
 
 
 def train(config: str, overrides: list[str]) -> int:
@@ -411,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
             return evaluate(args)
         if args.command == "report":
             return report(args)
+        if args.command == "plan":
+            return plan_command(args, overrides)
         if args.command == "ablate":
             from .ablate import run_ablation
 

@@ -1,0 +1,130 @@
+"""Live tensor memory, counted by storage: what a run holds at each moment and at its peak, whatever device it is on.
+
+:class:`LiveTensorTracker` is a dispatch mode that sees every tensor an operator returns. Each storage it has not
+seen yet is counted once (views share their base's storage) and uncounted when its Python storage object dies (a
+``weakref.finalize``): this is the memory a caching allocator holds for live tensors, without its fragmentation and
+rounding. It works the same on real CPU tensors (calibration), meta tensors and fake tensors (``fora plan``).
+
+The peak is kept as the set of storages live at that moment, so that it can be broken down afterwards by what each
+storage turned out to be (a weight, a gradient, an optimizer state, a saved activation).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+__all__ = ["LiveTensorTracker", "storage_bytes"]
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the storage under ``tensor`` (a view counts its whole base)."""
+    return tensor.untyped_storage().nbytes()
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Counts the bytes of live tensor storages; ``peak`` and the storages live at the peak.
+
+    Storages created before the mode is entered (weights) are counted only if :meth:`register`-ed. Each storage gets
+    a unique id (``uid``), so that a storage address reused after a free is not mistaken for the old one.
+    """
+
+    def __init__(self, count_flops: bool = False) -> None:
+        super().__init__()
+        # FLOPs by FlopCounterMode's own formulas, counted here: FlopCounterMode itself wraps module outputs in
+        # autograd functions for its backward bookkeeping, which keeps checkpointed activations alive.
+        self.flops = 0
+        self._flop_formulas = None
+        if count_flops:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            self._flop_formulas = FlopCounterMode(display=False).flop_registry
+        self._live: dict[int, tuple[int, int]] = {}  # storage _cdata -> (uid, bytes)
+        self._uids = itertools.count()
+        self.current = 0
+        self.peak = 0
+        self._peak_live: dict[int, int] = {}  # uid -> bytes, at the peak
+        self._peak_pending = False  # a new peak was reached; its live set is copied at the next free
+
+    # -- counting ----------------------------------------------------------------------------------------------
+    def _count(self, storage: torch.UntypedStorage, nbytes: int | None = None) -> int:
+        key = storage._cdata
+        entry = self._live.get(key)
+        if entry is not None:
+            return entry[0]
+        uid = next(self._uids)
+        nbytes = storage.nbytes() if nbytes is None else nbytes
+        self._live[key] = (uid, nbytes)
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+            self._peak_pending = True
+        weakref.finalize(storage, self._free, key, uid)
+        return uid
+
+    def _free(self, key: int, uid: int) -> None:
+        entry = self._live.get(key)
+        if entry is None or entry[0] != uid:
+            return
+        if self._peak_pending:
+            self._peak_live = dict(self._live.values())
+            self._peak_pending = False
+        del self._live[key]
+        self.current -= entry[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._flop_formulas is not None:
+            formula = self._flop_formulas.get(func._overloadpacket)
+            if formula is not None:
+                self.flops += formula(*args, **kwargs, out_val=out)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._count(t.untyped_storage())
+        return out
+
+    # -- queries -------------------------------------------------------------------------------------------------
+    def register(self, tensor: torch.Tensor, nbytes: int | None = None) -> int:
+        """Count an existing tensor's storage (weights made before tracking); ``nbytes`` overrides its size."""
+        return self._count(tensor.untyped_storage(), nbytes)
+
+    def uid(self, tensor: torch.Tensor) -> int | None:
+        """The id of ``tensor``'s storage if it is live and counted."""
+        entry = self._live.get(tensor.untyped_storage()._cdata)
+        return None if entry is None else entry[0]
+
+    def uids(self, tensors: Iterable[torch.Tensor]) -> set[int]:
+        return {u for u in (self.uid(t) for t in tensors) if u is not None}
+
+    def live(self) -> dict[int, int]:
+        """uid -> bytes of every storage live now."""
+        return dict(self._live.values())
+
+    def peak_live(self) -> dict[int, int]:
+        """uid -> bytes of the storages live at the peak since the last :meth:`reset_peak`."""
+        if self._peak_pending:
+            self._peak_live = dict(self._live.values())
+            self._peak_pending = False
+        return dict(self._peak_live)
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is live now."""
+        self.peak = self.current
+        self._peak_live = dict(self._live.values())
+        self._peak_pending = False
+
+    @staticmethod
+    def breakdown(live: dict[int, int], kind_of: Callable[[int], str]) -> dict[str, int]:
+        """Bytes per kind of a live set (``live()`` or ``peak_live()``), ``kind_of(uid)`` naming each storage."""
+        out: dict[str, int] = {}
+        for uid, nbytes in live.items():
+            kind = kind_of(uid)
+            out[kind] = out.get(kind, 0) + nbytes
+        return out
