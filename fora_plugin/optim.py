@@ -387,8 +387,7 @@ class _Stack:
     fp32 master) and its ``exp_avg`` are views into it, so the step reads them in place. A matrix product cannot
     write into its own input, so each bucket has two such buffers: the step reads one and writes
     [B_{t+1}, m_{t+1}] into the other with one ``baddbmm``, and the views then point at the new one (a metadata
-    change, no copy). The free buffer's m half first receives G (the one copy of the gradients, cast to the compute
-    dtype). The per-matrix scalars (step, v and the two counters) are views into (N,) buffers of the whole stack,
+    change, no copy). The free buffer first receives G (the one copy of the gradients, cast to the compute dtype). The per-matrix scalars (step, v and the two counters) are views into (N,) buffers of the whole stack,
     and the 2r x 2r algebra of all its buckets runs once, batched over the N matrices.
     """
 
@@ -468,17 +467,21 @@ class _Stack:
         r = self.r
         current = [buffer[self.parity] for buffer in self.buffers]
         free = [buffer[1 - self.parity] for buffer in self.buffers]
-        for (start, stop), P, Q, bucket_grads in zip(self.rows, current, free, grads):
-            G = Q[..., r:]  # (n, d, r): the free buffer's m half holds G until the product overwrites it
+        staged = []
+        for (start, stop), Q, bucket_grads in zip(self.rows, free, grads):
+            # G in the first half of the free buffer, read as a contiguous (n, d, r) tensor: the passes over G run
+            # several times faster on it than on a strided half (8x for the norm).
+            G = Q.view(-1)[: Q.numel() // 2].view(Q.shape[0], Q.shape[1], r)  # (n, d, r)
             torch._foreach_copy_(list(G.unbind(0)), bucket_grads)  # in the compute dtype
-            torch.linalg.vector_norm(G, dim=(-2, -1), out=self.norms[start:stop])  # inf/nan iff some entry is
+            torch.linalg.vector_norm(G.view(G.shape[0], -1), dim=-1, out=self.norms[start:stop])  # inf/nan if any is
             G.nan_to_num_(0.0, 0.0, 0.0)  # a skipped matrix then keeps m_t bit for bit: m + 0·(G − m) = m
+            staged.append(G)
         grad_sq = self.norms.square()  # (N,)
         finite = torch.isfinite(grad_sq)  # (N,) a square that overflows skips too
         self.constants = constants = _Constants.get(self.constants, r, self.gram, group["betas"])
         weight = torch.where(finite, constants.lerp_weight, 0.0)[:, None, None]  # (N, 1, 1)
-        for (start, stop), P, Q in zip(self.rows, current, free):
-            P[..., r:].lerp_(Q[..., r:], weight[start:stop])  # m_{t+1} = β1 m_t + (1 − β1) G, in place
+        for (start, stop), P, G in zip(self.rows, current, staged):
+            P[..., r:].lerp_(G, weight[start:stop])  # m_{t+1} = β1 m_t + (1 − β1) G, in place
             torch.bmm(P.mT, P, out=self.gram[start:stop])  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
         delta = _cayley_adam_deltas(
             self.gram, grad_sq, finite, self.step_count, self.exp_avg_sq, self.counts, group, periodic, constants
@@ -535,16 +538,17 @@ def _cayley_adam_deltas(
 
     # Re-projection by Cholesky-QR of B (B R⁻¹, RᵀR = BᵀB) before the step, folded into the coefficients: with
     # T = diag(R⁻¹, I), [B R⁻¹, m] = [B, m] T and its Gram matrix is Tᵀ gram T. No host sync, no extra reduction.
-    # The Cholesky factor of [[BᵀB, 0], [0, I]] is diag(L, I), so T comes out of one triangular solve.
-    gram_b = torch.where(constants.top_left, gram, eye)  # (N, 2r, 2r): [[BᵀB, 0], [0, I]]
-    drifting = torch.linalg.matrix_norm(gram_b - eye) > group.get("reproject_threshold", REPROJECT_THRESHOLD)
+    r = gram.shape[-1] // 2
+    gram_b = gram[:, :r, :r]  # (N, r, r) BᵀB
+    drifting = torch.linalg.matrix_norm(gram_b - eye[:r, :r]) > group.get("reproject_threshold", REPROJECT_THRESHOLD)
     factor, info = torch.linalg.cholesky_ex(gram_b)
     factored = (info == 0) & finite
     reprojected = drifting & factored  # the counter: drift, not the periodic re-projection
     counts.add_(torch.stack((~finite, reprojected)))
     project = factored if periodic else reprojected
-    T = torch.linalg.solve_triangular(factor.mT, eye.expand_as(gram_b), upper=True)  # diag(R⁻¹, I)
-    T = torch.where(project[:, None, None], T, eye)
+    r_inv = torch.linalg.solve_triangular(factor.mT, eye[:r, :r].expand_as(gram_b), upper=True)  # (N, r, r)
+    # diag(R⁻¹, I) where projected, I elsewhere (an unfactored R⁻¹ may hold inf/nan: a select, not a product)
+    T = torch.where(project[:, None, None] & constants.top_left, torch.nn.functional.pad(r_inv, (0, r, 0, r)), eye)
     gram = T.mT @ gram @ T
 
     # W is linear in m, so the bias-corrected W(m̂)/(√v̂ + ε) step of size lr is a step of size τ along W(m).
