@@ -387,8 +387,9 @@ class _Stack:
     fp32 master) and its ``exp_avg`` are views into it, so the step reads them in place. A matrix product cannot
     write into its own input, so each bucket has two such buffers: the step reads one and writes
     [B_{t+1}, m_{t+1}] into the other with one ``baddbmm``, and the views then point at the new one (a metadata
-    change, no copy). The free buffer first receives G (the one copy of the gradients, cast to the compute dtype). The per-matrix scalars (step, v and the two counters) are views into (N,) buffers of the whole stack,
-    and the 2r x 2r algebra of all its buckets runs once, batched over the N matrices.
+    change, no copy). The free buffer first receives G (the one copy of the gradients, cast to the compute dtype).
+    The per-matrix scalars (step, v and the two counters) are views into (N,) buffers of the whole stack, and the
+    2r x 2r algebra of all its buckets runs once, batched over the N matrices.
     """
 
     def __init__(self, state: dict[torch.Tensor, dict[str, Any]], buckets: list[list[torch.Tensor]]) -> None:
@@ -477,9 +478,9 @@ class _Stack:
             G.nan_to_num_(0.0, 0.0, 0.0)  # a skipped matrix then keeps m_t bit for bit: m + 0·(G − m) = m
             staged.append(G)
         grad_sq = self.norms.square()  # (N,)
-        finite = torch.isfinite(grad_sq)  # (N,) a square that overflows skips too
+        finite = grad_sq < math.inf  # (N,) False for inf and nan (one op, where isfinite takes four)
         self.constants = constants = _Constants.get(self.constants, r, self.gram, group["betas"])
-        weight = torch.where(finite, constants.lerp_weight, 0.0)[:, None, None]  # (N, 1, 1)
+        weight = torch.where(finite, constants.lerp_weight, constants.zero)[:, None, None]  # (N, 1, 1)
         for (start, stop), P, G in zip(self.rows, current, staged):
             P[..., r:].lerp_(G, weight[start:stop])  # m_{t+1} = β1 m_t + (1 − β1) G, in place
             torch.bmm(P.mT, P, out=self.gram[start:stop])  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
@@ -508,6 +509,10 @@ class _Constants:
         self.left = torch.zeros_like(self.eye)  # (2r, 2r): 1 in the B columns, T · left = [T e_B, 0]
         self.left[:, :r] = 1.0
         self.lerp_weight = torch.tensor(1 - betas[0], dtype=dtype, device=device)  # the first moment's 1 − β1
+        self.zero = torch.zeros((), dtype=dtype, device=device)
+        self.skew_basis = torch.zeros_like(self.eye)  # J = [[0, −I], [I, 0]], see skew_generator
+        self.skew_basis.diagonal(offset=r).fill_(-1.0)
+        self.skew_basis.diagonal(offset=-r).fill_(1.0)
 
     @classmethod
     def get(cls, cached: _Constants | None, r: int, gram: torch.Tensor, betas: tuple[float, float]) -> _Constants:
@@ -556,7 +561,7 @@ def _cayley_adam_deltas(
     denominator = (exp_avg_sq / bias[1]).sqrt_().add_(group["eps"]).mul_(bias[0])  # (N,)
     # 0 only if v = 0 and eps = 0: every gradient so far was 0 (so m = 0), no move rather than 0/0 = NaN.
     half_tau = denominator.reciprocal_().mul_(group["lr"] / 2).nan_to_num_(0.0, 0.0, 0.0)
-    omega = skew_generator(gram)  # (N, 2r, 2r)
+    omega = skew_generator(gram, skew_basis=constants.skew_basis)  # (N, 2r, 2r)
     z = cayley_span_step(omega, half_tau, solver=group["cayley_solver"], iters=group["cayley_iters"], eye=eye)
     # In the projected basis [B R⁻¹, m]: B_{t+1} = B R⁻¹ + [B R⁻¹, m] z, and the first moment becomes W(m) B_{t+1} =
     # [B R⁻¹, m] Ω (e_B + z), its tangent part carried to the new point. So with C = [z, Ω (e_B + z)],
@@ -564,7 +569,7 @@ def _cayley_adam_deltas(
     # never formed as e_B + z: that keeps the fp32 drift from the manifold ~10x lower.
     moved = torch.baddbmm(omega[..., : z.shape[-1]], omega, z)  # Ω (e_B + z)
     delta = torch.baddbmm(torch.addcmul(constants.neg_eye, T, constants.left), T, torch.cat((z, moved), dim=-1))
-    return torch.where(finite[:, None, None], delta, 0.0)  # a skipped matrix: B and m stay bit for bit
+    return torch.where(finite[:, None, None], delta, constants.zero)  # a skipped matrix: B and m stay bit for bit
 
 
 def _scratch_bucket_step(
@@ -621,10 +626,12 @@ def _scratch_bucket_step(
         sums = torch.cat((gram.reshape(n, -1), grad_sq[:, None]), dim=1)  # (n, 4r² + 1): one all-reduce
         _all_reduce(sums, reduce_groups)
         gram, grad_sq = sums[:, :-1].reshape(n, 2 * r, 2 * r), sums[:, -1]
-        finite = torch.isfinite(grad_sq)  # (n,) the same on every rank
+        finite = grad_sq < math.inf  # (n,) the same on every rank
     else:
-        finite = torch.isfinite(grad_sq)
-        m.lerp_(G, torch.where(finite, constants.lerp_weight, 0.0)[:, None, None])  # a skipped matrix keeps m_t
+        finite = grad_sq < math.inf
+        m.lerp_(
+            G, torch.where(finite, constants.lerp_weight, constants.zero)[:, None, None]
+        )  # a skipped matrix keeps m_t
         gram = P.mT @ P
     delta = _cayley_adam_deltas(gram, grad_sq, finite, step, v, counts, group, periodic, constants)
     torch.baddbmm(P, P, delta, out=Q)
