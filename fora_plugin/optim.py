@@ -417,9 +417,9 @@ class _Stack:
         ).to(torch.int64)
         self.gram = torch.empty((start, 2 * r, 2 * r), dtype=dtype, device=device)  # (N, 2r, 2r)
         self.norms = torch.empty((start,), dtype=dtype, device=device)  # (N,) ‖G‖
+        self.reprojection = torch.eye(2 * r, dtype=dtype, device=device).repeat(start, 1, 1)  # (N, 2r, 2r) T
         self.parity = 0
         self.constants: _Constants | None = None
-        self.views: list[dict[str, torch.Tensor]] = []
         self._point(state)
 
     def _views(self, buffers: list[torch.Tensor], half: int) -> list[torch.Tensor]:
@@ -429,24 +429,29 @@ class _Stack:
 
     def _point(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
         """Make every parameter (or master) and its state views into the current buffers."""
-        current = [buffer[self.parity] for buffer in self.buffers]
-        points, moments = self._views(current, 0), self._views(current, 1)
-        self.views = []
-        for i, p in enumerate(self.params):
-            views = {
-                "exp_avg": moments[i],
-                "step": self.step_count[i],
-                "exp_avg_sq": self.exp_avg_sq[i],
-                "skipped_steps": self.counts[0, i],
-                "reprojections": self.counts[1, i],
-            }
-            if self.low_precision[i]:
-                views["master"] = points[i]
-            else:
-                p.data = points[i]
+        if not hasattr(self, "_all_views"):  # the views of both parities, made once
+            self._all_views = []
+            for parity in (0, 1):
+                buffers = [buffer[parity] for buffer in self.buffers]
+                points, moments = self._views(buffers, 0), self._views(buffers, 1)
+                views = []
+                for i, low in enumerate(self.low_precision):
+                    entry = {
+                        "exp_avg": moments[i],
+                        "step": self.step_count[i],
+                        "exp_avg_sq": self.exp_avg_sq[i],
+                        "skipped_steps": self.counts[0, i],
+                        "reprojections": self.counts[1, i],
+                    }
+                    if low:
+                        entry["master"] = points[i]
+                    views.append(entry)
+                self._all_views.append((points, views))
+        self.points, self.views = self._all_views[self.parity]
+        for p, point, low, views in zip(self.params, self.points, self.low_precision, self.views):
+            if not low:
+                p.data = point
             state[p].update(views)
-            self.views.append(views)
-        self.points = points
 
     def holds(self, state: dict[torch.Tensor, dict[str, Any]]) -> bool:
         """Whether every parameter and state entry of the stack is still the view it was given."""
@@ -485,7 +490,16 @@ class _Stack:
             P[..., r:].lerp_(G, weight[start:stop])  # m_{t+1} = β1 m_t + (1 − β1) G, in place
             torch.bmm(P.mT, P, out=self.gram[start:stop])  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
         delta = _cayley_adam_deltas(
-            self.gram, grad_sq, finite, self.step_count, self.exp_avg_sq, self.counts, group, periodic, constants
+            self.gram,
+            grad_sq,
+            finite,
+            self.step_count,
+            self.exp_avg_sq,
+            self.counts,
+            self.reprojection,
+            group,
+            periodic,
+            constants,
         )
         for (start, stop), P, Q in zip(self.rows, current, free):
             torch.baddbmm(P, P, delta[start:stop], out=Q)  # [B_{t+1}, m_{t+1}] = [B_t, m] (I + Δ)
@@ -528,13 +542,15 @@ def _cayley_adam_deltas(
     step: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     counts: torch.Tensor,
+    T: torch.Tensor,
     group: dict[str, Any],
     periodic: bool,
     constants: _Constants,
 ) -> torch.Tensor:
     """Δ (N, 2r, 2r) with [B_{t+1}, m_{t+1}] = [B_t, m] (I + Δ), from the Gram matrices of [B_t, m] (N, 2r, 2r),
     m = β1 m_t + (1 − β1) G, and ‖G‖² (N,); ``step``, ``exp_avg_sq`` (N,) and ``counts`` (2, N: skipped steps,
-    re-projections) are updated in place. A skipped matrix (``finite`` False) gets Δ = 0. 2r x 2r algebra only.
+    re-projections) are updated in place. ``T`` (N, 2r, 2r) is identity outside its B block, which the step writes.
+    A skipped matrix (``finite`` False) gets Δ = 0. 2r x 2r algebra only.
     """
     beta2 = group["betas"][1]
     eye = constants.eye  # (2r, 2r)
@@ -552,17 +568,19 @@ def _cayley_adam_deltas(
     counts.add_(torch.stack((~finite, reprojected)))
     project = factored if periodic else reprojected
     r_inv = torch.linalg.solve_triangular(factor.mT, eye[:r, :r].expand_as(gram_b), upper=True)  # (N, r, r)
-    # diag(R⁻¹, I) where projected, I elsewhere (an unfactored R⁻¹ may hold inf/nan: a select, not a product)
-    T = torch.where(project[:, None, None] & constants.top_left, torch.nn.functional.pad(r_inv, (0, r, 0, r)), eye)
+    # T = diag(R⁻¹, I) where projected, I elsewhere (an unfactored R⁻¹ may hold inf/nan: a select, not a product).
+    T[:, :r, :r].copy_(torch.where(project[:, None, None], r_inv, eye[:r, :r]))
     gram = T.mT @ gram @ T
 
     # W is linear in m, so the bias-corrected W(m̂)/(√v̂ + ε) step of size lr is a step of size τ along W(m).
     bias = 1 - torch.pow(constants.betas, step)  # (2, N): 1 − β1^t, 1 − β2^t
     denominator = (exp_avg_sq / bias[1]).sqrt_().add_(group["eps"]).mul_(bias[0])  # (N,)
-    # 0 only if v = 0 and eps = 0: every gradient so far was 0 (so m = 0), no move rather than 0/0 = NaN.
-    half_tau = denominator.reciprocal_().mul_(group["lr"] / 2).nan_to_num_(0.0, 0.0, 0.0)
+    # τ/2 = lr/2 · (1/denominator); the denominator is 0 only if v = 0 and eps = 0: every gradient so far was 0 (so
+    # m = 0), no move rather than 0/0 = NaN.
+    tau_per_lr = denominator.reciprocal_().nan_to_num_(0.0, 0.0, 0.0)
     omega = skew_generator(gram, skew_basis=constants.skew_basis)  # (N, 2r, 2r)
-    z = cayley_span_step(omega, half_tau, solver=group["cayley_solver"], iters=group["cayley_iters"], eye=eye)
+    solver, iters = group["cayley_solver"], group["cayley_iters"]
+    z = cayley_span_step(omega, tau_per_lr, solver=solver, iters=iters, eye=eye, scale=group["lr"] / 2)
     # In the projected basis [B R⁻¹, m]: B_{t+1} = B R⁻¹ + [B R⁻¹, m] z, and the first moment becomes W(m) B_{t+1} =
     # [B R⁻¹, m] Ω (e_B + z), its tangent part carried to the new point. So with C = [z, Ω (e_B + z)],
     # [B_{t+1}, m_{t+1}] = [B, m] (T C + [T e_B, 0]) and Δ = T C + [T e_B, 0] − I. The small step z is added to B,
@@ -633,7 +651,8 @@ def _scratch_bucket_step(
             G, torch.where(finite, constants.lerp_weight, constants.zero)[:, None, None]
         )  # a skipped matrix keeps m_t
         gram = P.mT @ P
-    delta = _cayley_adam_deltas(gram, grad_sq, finite, step, v, counts, group, periodic, constants)
+    T = constants.eye.repeat(n, 1, 1)
+    delta = _cayley_adam_deltas(gram, grad_sq, finite, step, v, counts, T, group, periodic, constants)
     torch.baddbmm(P, P, delta, out=Q)
     B_next, m_next = Q[..., :r], Q[..., r:]
     if sharded:
