@@ -228,6 +228,27 @@ class CayleyAdam(Optimizer):
             _cayley_adam_group_step(self, group)
         return loss
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor that holds a Stiefel point or Cayley-Adam state, each once and contiguous: what a broadcast of
+        the whole state sends (ZeRO-1/2's periodic sync). A stacked ``lora_B`` and its ``exp_avg`` are views into
+        their stack's buffer, which is sent whole; a collective writing into a strided view would scatter wrong."""
+        tensors, stacked = [], {}
+        for stack in self.__dict__.get("_fora_stacks", {}).values():
+            if stack.holds(self.state):
+                tensors += [buffer[stack.parity] for buffer in stack.buffers]
+                tensors += [stack.step_count, stack.exp_avg_sq, stack.counts]
+                stacked.update((id(p), low) for p, low in zip(stack.params, stack.low_precision))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in stacked:
+                    if stacked[id(p)]:
+                        tensors.append(p.data)  # the low-precision copy of the stacked master
+                    continue
+                state = self.state.get(p, {})
+                tensors.append(p.data)
+                tensors.extend(state[key] for key in ("master", "exp_avg", "exp_avg_sq") if key in state)
+        return tensors
+
     def skipped_steps(self) -> int:
         """Matrix steps skipped for a non-finite gradient so far, over all parameters (one host sync)."""
         return _count(self, "skipped_steps")

@@ -655,3 +655,28 @@ def test_the_step_has_no_graph_break_under_dynamo():
     explanation = torch._dynamo.explain(opt.step)()
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+def test_state_tensors_are_contiguous_and_carry_the_whole_state():
+    # What ZeRO-1/2's periodic broadcast sends: writing one optimizer's state tensors into another's makes them equal.
+    gen = torch.Generator().manual_seed(60)
+    shapes = [(24, 3), (24, 3), (10, 3)]
+    runs = []
+    for seed in (61, 62):
+        low = [torch.nn.Parameter(p.detach().contiguous()) for p in stiefel_params([(24, 3)], seed, torch.bfloat16)]
+        params = stiefel_params(shapes, seed=seed) + low  # a bf16 lora_B: its fp32 master is stacked
+        opt = CayleyAdam(params, lr=0.05)
+        for _ in range(2):
+            set_random_grads(params, gen)
+            opt.step()
+        runs.append((params, opt))
+    (src_params, src), (dst_params, dst) = runs
+    sent, received = src.state_tensors(), dst.state_tensors()
+    assert all(t.is_contiguous() for t in sent) and [t.shape for t in sent] == [t.shape for t in received]
+    for s, r in zip(sent, received):
+        r.copy_(s)
+    for p, q in zip(src_params, dst_params):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            if key in src.state[p]:
+                assert torch.equal(src.state[p][key], dst.state[q][key])
