@@ -16,7 +16,11 @@ Sets: LLaMA-3.1-8B's q, k, v, up, down lora_B on 16 layers (FoRA's K = L/2) at r
 expert lora_B (gate_up_proj and down_proj, 128 experts, PEFT's (d_out, r·E) layout) of Qwen3-30B-A3B on 2 layers at
 r = 16 (each expert block its own Stiefel matrix). Shapes come from the models' config.json.
 
+A last table compares one 4096 x r step with the paper's reference approach: the d x d skew matrix W formed and the
+Cayley system solved by 5 fixed-point iterations with d x d products.
+
     OMP_NUM_THREADS=1 taskset -c 1 python bench/optimizer.py     # one thread, as the README's figures
+    python bench/optimizer.py --device cuda                       # a GPU: wall time after synchronising
 """
 
 from __future__ import annotations
@@ -52,15 +56,24 @@ SETS = [
 ]
 
 
+DEVICE = torch.device("cpu")
+
+
+def synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
 def lora_b_set(d_outs: dict[int, int], r: int, experts: int, seed: int = 0) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
     params = []
     for d_out, count in d_outs.items():
         for _ in range(count):
-            p = torch.nn.Parameter(torch.empty(d_out, r * experts))
-            for block in expert_blocks(p.data, experts):
+            weight = torch.empty(d_out, r * experts)
+            for block in expert_blocks(weight, experts):
                 block.copy_(random_stiefel(d_out, r, generator=gen))
-            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+            p = torch.nn.Parameter(weight.to(DEVICE))
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-3).to(DEVICE)
             params.append(p)
     return params
 
@@ -71,8 +84,8 @@ def essential_matmuls(d_outs: dict[int, int], r: int, experts: int):
     buckets = []
     for d_out, count in d_outs.items():
         n = count * experts
-        P = torch.randn(n, d_out, 2 * r, generator=gen)
-        buckets.append((P, torch.empty_like(P), torch.randn(n, 2 * r, 2 * r, generator=gen) * 1e-3))
+        P = torch.randn(n, d_out, 2 * r, generator=gen).to(DEVICE)
+        buckets.append((P, torch.empty_like(P), (torch.randn(n, 2 * r, 2 * r, generator=gen) * 1e-3).to(DEVICE)))
 
     def run():
         for P, Q, C in buckets:
@@ -140,8 +153,10 @@ def timed_rounds(candidates: dict[str, callable], rounds: int) -> dict[str, tupl
     samples = defaultdict(list)
     for _ in range(rounds):
         for name, run in candidates.items():
+            synchronize()
             cpu, wall = time.thread_time(), time.perf_counter()
             run()
+            synchronize()
             samples[name].append((time.thread_time() - cpu, time.perf_counter() - wall))
     return {
         name: (statistics.median(c for c, _ in values), statistics.median(w for _, w in values))
@@ -170,7 +185,8 @@ def bench_set(name: str, d_outs: dict[int, int], r: int, experts: int, rounds: i
         run()
     counters = {label: count(run) for label, run in candidates.items()}
     times = timed_rounds(candidates, rounds)
-    essential = times["essential matmuls alone"][0]
+    column = 1 if DEVICE.type == "cuda" else 0  # on a GPU the host's CPU time says nothing: ratios of wall time
+    essential = times["essential matmuls alone"][column]
     print(f"### {name}: {sum(d_outs.values())} lora_B, {buckets} shape buckets, {entries / 1e6:.1f} M entries")
     print()
     print(
@@ -181,8 +197,8 @@ def bench_set(name: str, d_outs: dict[int, int], r: int, experts: int, rounds: i
         counter = counters[label]
         ops = sum(counter.ops.values())
         print(
-            f"| {label} | {cpu * 1e3:.1f} | {wall * 1e3:.1f} | {cpu / essential:.2f} "
-            f"| {cpu / times['AdamW(fused=True)'][0]:.1f} | {ops} | {ops / buckets:.1f} "
+            f"| {label} | {cpu * 1e3:.1f} | {wall * 1e3:.1f} | {(cpu, wall)[column] / essential:.2f} "
+            f"| {(cpu, wall)[column] / times['AdamW(fused=True)'][column]:.1f} | {ops} | {ops / buckets:.1f} "
             f"| {counter.words / entries:.1f} |"
         )
     before = optimizers["CayleyAdam before (old step)"]
@@ -197,20 +213,51 @@ def bench_set(name: str, d_outs: dict[int, int], r: int, experts: int, rounds: i
     print()
 
 
+def dense_reference_step(B: torch.Tensor, G: torch.Tensor, lr: float, iters: int = 5) -> torch.Tensor:
+    """The reference implementation's shape of work: a d x d W and d x d products in the fixed-point solve."""
+    W_hat = G @ B.T - 0.5 * B @ (B.T @ G @ B.T)  # (d, d)
+    W = W_hat - W_hat.T  # (d, d)
+    Y = B - lr * (W @ B)
+    for _ in range(iters):
+        Y = B - (lr / 2) * (W @ (B + Y))
+    return Y
+
+
+def bench_dense(r: int, rounds: int) -> None:
+    (single,) = lora_b_set({4096: 1}, r, 1)
+    opt = CayleyAdam([single])
+    B, G = single.detach().clone(), single.grad.clone()
+    for run in (opt.step, opt.step):
+        run()
+    times = timed_rounds({"ours": opt.step, "dense": lambda: dense_reference_step(B, G, 1e-3)}, max(3, rounds // 3))
+    ours, dense = (times[k][0 if DEVICE.type == "cpu" else 1] for k in ("ours", "dense"))
+    print(f"| one 4096 x {r} matrix | ms / step | vs ours |")
+    print("|---|---:|---:|")
+    print(
+        f"| dense d x d Cayley (W formed, 5 fixed-point iterations) | {dense * 1e3:.1f} | {dense / ours:.0f}x slower |"
+    )
+    print(f"| ours: CayleyAdam, exact step on the span of [B, m] | {ours * 1e3:.2f} | 1x |")
+    print()
+
+
 def main() -> None:
+    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds (default: 10)")
     parser.add_argument("--sets", nargs="*", type=int, help="indices into SETS to run (default: all)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     args = parser.parse_args()
+    DEVICE = torch.device(args.device)
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     print(
-        f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, threads "
+        f"device {DEVICE}, CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, threads "
         f"{torch.get_num_threads()}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
     print()
     for index, (name, d_outs, r, experts) in enumerate(SETS):
         if args.sets is None or index in args.sets:
             bench_set(name, d_outs, r, experts, args.rounds)
+    bench_dense(32, args.rounds)
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
