@@ -401,6 +401,16 @@ def _stack_for(optimizer: CayleyAdam, buckets: list[list[torch.Tensor]]) -> _Sta
     return stack
 
 
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same memory: storage, offset, shape and strides (meta and fake tensors too)."""
+    return (
+        a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
 class _Stack:
     """FoRA's storage of the plain (d, r) Stiefel matrices of one group with one r, dtype and device.
 
@@ -480,7 +490,7 @@ class _Stack:
             s = state.get(p)
             if s is None or any(s.get(key) is not view for key, view in views.items()):
                 return False
-            if not low and not p.is_set_to(point):
+            if not low and not _same_view(p, point):
                 return False
         return True
 

@@ -1,5 +1,6 @@
 """CayleyAdam and FoRAOptimizer on bare tensors: trajectories, manifold, resume, robustness, errors."""
 
+import contextlib
 import copy
 import io
 
@@ -680,3 +681,18 @@ def test_state_tensors_are_contiguous_and_carry_the_whole_state():
         for key in ("exp_avg", "exp_avg_sq", "master"):
             if key in src.state[p]:
                 assert torch.equal(src.state[p][key], dst.state[q][key])
+
+
+def test_the_stacked_step_runs_on_fake_and_meta_tensors():
+    # fora plan and the device-placement tests run the optimizer on tensors without data.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for mode, device in ((FakeTensorMode(), "cpu"), (contextlib.nullcontext(), "meta")):
+        with mode:
+            params = [torch.nn.Parameter(torch.randn(64, 4, device=device)) for _ in range(3)]
+            opt = CayleyAdam(params)
+            for _ in range(2):
+                for p in params:
+                    p.grad = torch.randn(64, 4, device=device)
+                opt.step()
+            assert opt.state[params[0]]["exp_avg"].shape == (64, 4)
