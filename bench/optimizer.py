@@ -1,63 +1,216 @@
-"""Time per optimizer step over the lora_B set of real model shapes: Cayley-Adam vs AdamW vs a dense Cayley step.
+"""Cayley-Adam against its own essential matmuls and against AdamW, on real lora_B sets, in one process.
 
-Every lora_B of a FoRA run on LLaMA-3.1-8B and Qwen3-8B shapes (r = 32, targets q, k, v, up, down, K = L/2 layers)
-is stepped by our CayleyAdam and by torch.optim.AdamW(foreach=True) on the same tensors, side by side in one run.
-The dense line is the paper's reference approach: the d x d skew matrix W is formed and the Cayley system is solved
-by 5 fixed-point iterations with d x d products, on one 4096 x 32 matrix.
+For each set of lora_B shapes it prints, side by side from one run:
 
-    python bench/optimizer.py                 # CPU
-    python bench/optimizer.py --device cuda   # GPU
+- thread CPU time and wall time per step (median over interleaved rounds, so a change in the machine's load hits every
+  line alike) of ``AdamW(fused=True)``, ``AdamW(foreach=True)``, Cayley-Adam before the stacked storage (the old step,
+  kept in ``bench/reference_cayley_adam.py``), Cayley-Adam now, and the step's two essential batched matmuls alone:
+  the Gram matrix [B, m]ᵀ[B, m] and the update [B, m]·C of every shape bucket (about 16·r flops per entry);
+- kernel-running aten ops per step and per shape bucket, counted with a dispatch mode (views and other metadata-only
+  ops are not kernels);
+- words moved per lora_B entry, counted from the ops' inputs and outputs (each distinct tensor an op reads, each it
+  writes; a copy's destination and an ``out=`` tensor are written, not read);
+- the drift ‖BᵀB − I‖_F after the timed steps.
+
+Sets: LLaMA-3.1-8B's q, k, v, up, down lora_B on 16 layers (FoRA's K = L/2) at r = 32 and r = 16, and the fused
+expert lora_B (gate_up_proj and down_proj, 128 experts, PEFT's (d_out, r·E) layout) of Qwen3-30B-A3B on 2 layers at
+r = 16 (each expert block its own Stiefel matrix). Shapes come from the models' config.json.
+
+A last table compares one 4096 x r step with the paper's reference approach: the d x d skew matrix W formed and the
+Cayley system solved by 5 fixed-point iterations with d x d products.
+
+    OMP_NUM_THREADS=1 taskset -c 1 python bench/optimizer.py     # one thread, as the README's figures
+    python bench/optimizer.py --device cuda                       # a GPU: wall time after synchronising
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
+import sys
 import time
+from collections import defaultdict
+from pathlib import Path
 
 import torch
-
-from fora_plugin import CayleyAdam
-from fora_plugin.stiefel import orthogonality_error, random_stiefel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
-# d_out of q, k, v, up, down and the number of decoder layers, from the models' config.json.
-MODEL_SHAPES = {
-    "LLaMA-3.1-8B": {"d_out": {"q": 4096, "k": 1024, "v": 1024, "up": 14336, "down": 4096}, "layers": 32},
-    "Qwen3-8B": {"d_out": {"q": 4096, "k": 1024, "v": 1024, "up": 12288, "down": 4096}, "layers": 36},
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from reference_cayley_adam import ReferenceCayleyAdam  # noqa: E402
+
+from fora_plugin import CayleyAdam  # noqa: E402
+from fora_plugin.adapter import expert_blocks  # noqa: E402
+from fora_plugin.stiefel import orthogonality_error, random_stiefel  # noqa: E402
+
+
+# (name, {d_out: matrices}, r, experts): LLaMA-3.1-8B (hidden 4096, 8 KV heads of 128, intermediate 14336) on 16
+# layers; Qwen3-30B-A3B (hidden 2048, moe_intermediate 768, 128 experts) on 2 layers.
+SETS = [
+    ("LLaMA-3.1-8B, r=32", {4096: 32, 1024: 32, 14336: 16}, 32, 1),
+    ("LLaMA-3.1-8B, r=16", {4096: 32, 1024: 32, 14336: 16}, 16, 1),
+    ("Qwen3-30B-A3B experts, r=16", {1536: 2, 2048: 2}, 16, 128),
+]
+
+
+DEVICE = torch.device("cpu")
+
+
+def synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
+def lora_b_set(d_outs: dict[int, int], r: int, experts: int, seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for d_out, count in d_outs.items():
+        for _ in range(count):
+            weight = torch.empty(d_out, r * experts)
+            for block in expert_blocks(weight, experts):
+                block.copy_(random_stiefel(d_out, r, generator=gen))
+            p = torch.nn.Parameter(weight.to(DEVICE))
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-3).to(DEVICE)
+            params.append(p)
+    return params
+
+
+def essential_matmuls(d_outs: dict[int, int], r: int, experts: int):
+    """The two batched products the step cannot do without, per shape bucket, on (n, d, 2r) buffers."""
+    gen = torch.Generator().manual_seed(1)
+    buckets = []
+    for d_out, count in d_outs.items():
+        n = count * experts
+        P = torch.randn(n, d_out, 2 * r, generator=gen).to(DEVICE)
+        buckets.append((P, torch.empty_like(P), (torch.randn(n, 2 * r, 2 * r, generator=gen) * 1e-3).to(DEVICE)))
+
+    def run():
+        for P, Q, C in buckets:
+            torch.bmm(P.mT, P)  # [B, m]ᵀ[B, m]
+            torch.bmm(P, C, out=Q)  # [B, m]·C
+
+    return run
+
+
+_WRITE_ONLY = {"copy_", "_foreach_copy_", "fill_", "zero_", "_foreach_zero_"}
+_NOT_KERNELS = {
+    "_record_function_enter_new",
+    "_record_function_exit",
+    "is_set_to",
+    "detach",
+    "lift_fresh",
+    "_unsafe_view",
 }
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class StepCounter(TorchDispatchMode):
+    """Kernel-running aten ops, and words read and written, of what runs inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = defaultdict(int)
+        self.words = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        out = func(*args, **kwargs)
+        if func.is_view or name in _NOT_KERNELS:
+            return out
+        self.ops[name] += 1
+        schema_args = func._schema.arguments
+        read, written = {}, {}
+        for index, argument in enumerate(schema_args):
+            value = args[index] if index < len(args) else kwargs.get(argument.name)
+            tensors = value if isinstance(value, (list, tuple)) else [value]
+            writes = argument.alias_info is not None and argument.alias_info.is_write
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+                    if writes:
+                        written[key] = t.numel()
+                    if not writes or not (argument.is_out or name in _WRITE_ONLY):
+                        read[key] = t.numel()
+        results = out if isinstance(out, (list, tuple)) else [out]
+        for t in results:
+            if isinstance(t, torch.Tensor):
+                written.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), t.numel()), t.numel())
+        self.words += sum(read.values()) + sum(written.values())
+        return out
 
 
-def time_steps(step, device: torch.device, warmup: int, repeats: int) -> float:
-    """Median seconds per call of ``step``."""
-    for _ in range(warmup):
+def count(step) -> StepCounter:
+    with StepCounter() as counter:
         step()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return counter
 
 
-def lora_b_set(shape: dict, rank: int, device: torch.device, seed: int = 0) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    k = shape["layers"] // 2
-    params = []
-    for _ in range(k):
-        for d_out in shape["d_out"].values():
-            p = torch.nn.Parameter(random_stiefel(d_out, rank, generator=gen).to(device))
-            p.grad = torch.randn(d_out, rank, generator=gen).to(device) * 1e-3
-            params.append(p)
-    return params
+def timed_rounds(candidates: dict[str, callable], rounds: int) -> dict[str, tuple[float, float]]:
+    """Median (thread CPU, wall) seconds per call; each round runs every candidate once, in turn."""
+    samples = defaultdict(list)
+    for _ in range(rounds):
+        for name, run in candidates.items():
+            synchronize()
+            cpu, wall = time.thread_time(), time.perf_counter()
+            run()
+            synchronize()
+            samples[name].append((time.thread_time() - cpu, time.perf_counter() - wall))
+    return {
+        name: (statistics.median(c for c, _ in values), statistics.median(w for _, w in values))
+        for name, values in samples.items()
+    }
+
+
+def drift(params: list[torch.Tensor], experts: int) -> float:
+    return max(orthogonality_error(expert_blocks(p.detach(), experts)).max().item() for p in params)
+
+
+def bench_set(name: str, d_outs: dict[int, int], r: int, experts: int, rounds: int) -> None:
+    entries = sum(d * count * r * experts for d, count in d_outs.items())
+    buckets = len(d_outs)
+    group = {"num_experts": experts} if experts > 1 else {}
+    optimizers = {
+        "AdamW(fused=True)": torch.optim.AdamW(lora_b_set(d_outs, r, experts), lr=1e-3, fused=True),
+        "AdamW(foreach=True)": torch.optim.AdamW(lora_b_set(d_outs, r, experts), lr=1e-3, foreach=True),
+        "CayleyAdam before (old step)": ReferenceCayleyAdam([{"params": lora_b_set(d_outs, r, experts), **group}]),
+        "CayleyAdam now": CayleyAdam([{"params": lora_b_set(d_outs, r, experts), **group}]),
+    }
+    candidates = {label: opt.step for label, opt in optimizers.items()}
+    candidates["essential matmuls alone"] = essential_matmuls(d_outs, r, experts)
+    for run in candidates.values():  # warm-up: state made, stacks built
+        run()
+        run()
+    counters = {label: count(run) for label, run in candidates.items()}
+    times = timed_rounds(candidates, rounds)
+    column = 1 if DEVICE.type == "cuda" else 0  # on a GPU the host's CPU time says nothing: ratios of wall time
+    essential = times["essential matmuls alone"][column]
+    print(f"### {name}: {sum(d_outs.values())} lora_B, {buckets} shape buckets, {entries / 1e6:.1f} M entries")
+    print()
+    print(
+        "| step | thread CPU ms | wall ms | × essential | × fused AdamW | ops / step | ops / bucket | words / entry |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for label, (cpu, wall) in times.items():
+        counter = counters[label]
+        ops = sum(counter.ops.values())
+        print(
+            f"| {label} | {cpu * 1e3:.1f} | {wall * 1e3:.1f} | {(cpu, wall)[column] / essential:.2f} "
+            f"| {(cpu, wall)[column] / times['AdamW(fused=True)'][column]:.1f} | {ops} | {ops / buckets:.1f} "
+            f"| {counter.words / entries:.1f} |"
+        )
+    before = optimizers["CayleyAdam before (old step)"]
+    now = optimizers["CayleyAdam now"]
+    steps = rounds + 3
+    print()
+    print(
+        f"Drift ‖BᵀB − I‖_F after {steps} steps: before {drift(before.param_groups[0]['params'], experts):.1e}, "
+        f"now {drift(now.param_groups[0]['params'], experts):.1e}. Kernel-running ops of one step now: "
+        + ", ".join(f"{op} {n}" for op, n in sorted(counters["CayleyAdam now"].ops.items(), key=lambda x: -x[1]))
+    )
+    print()
 
 
 def dense_reference_step(B: torch.Tensor, G: torch.Tensor, lr: float, iters: int = 5) -> torch.Tensor:
@@ -70,55 +223,43 @@ def dense_reference_step(B: torch.Tensor, G: torch.Tensor, lr: float, iters: int
     return Y
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
-    parser.add_argument("--rank", type=int, default=32, help="LoRA rank r (default: 32)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed steps per measurement (default: 10)")
-    parser.add_argument("--drift-steps", type=int, default=200, help="steps before reading the drift (default: 200)")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"device: {device} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, r={args.rank}")
-    print()
-    print(
-        "| model shapes | lora_B matrices | lora_B params | AdamW ms/step | CayleyAdam ms/step | ratio "
-        f"| drift after {args.drift_steps} steps |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for model, shape in MODEL_SHAPES.items():
-        params = lora_b_set(shape, args.rank, device)
-        n_params = sum(p.numel() for p in params)
-        adamw = torch.optim.AdamW(params, lr=1e-3, foreach=True)
-        adamw_s = time_steps(adamw.step, device, warmup=3, repeats=args.repeats)
-        params = lora_b_set(shape, args.rank, device)  # fresh points for the Stiefel run
-        cayley = CayleyAdam(params, lr=1e-3)
-        cayley_s = time_steps(cayley.step, device, warmup=3, repeats=args.repeats)
-        for _ in range(max(0, args.drift_steps - 3 - args.repeats)):
-            cayley.step()
-        drift = max(orthogonality_error(p.detach()).item() for p in params)
-        print(
-            f"| {model} | {len(params)} | {n_params / 1e6:.1f}M | {adamw_s * 1e3:.1f} | {cayley_s * 1e3:.1f} "
-            f"| {cayley_s / adamw_s:.2f}x | {drift:.1e} |"
-        )
-        del params, adamw, cayley
-
-    gen = torch.Generator().manual_seed(1)
-    B = random_stiefel(4096, args.rank, generator=gen).to(device)
-    G = torch.randn(4096, args.rank, generator=gen).to(device)
-    dense_s = time_steps(lambda: dense_reference_step(B, G, 1e-3), device, warmup=1, repeats=max(3, args.repeats // 3))
-    single = torch.nn.Parameter(B.clone())
-    single.grad = G.clone()
-    one = CayleyAdam([single], lr=1e-3)
-    ours_s = time_steps(one.step, device, warmup=3, repeats=args.repeats)
-    print()
-    print("| one 4096 x r matrix | ms/step | vs ours |")
+def bench_dense(r: int, rounds: int) -> None:
+    (single,) = lora_b_set({4096: 1}, r, 1)
+    opt = CayleyAdam([single])
+    B, G = single.detach().clone(), single.grad.clone()
+    for run in (opt.step, opt.step):
+        run()
+    times = timed_rounds({"ours": opt.step, "dense": lambda: dense_reference_step(B, G, 1e-3)}, max(3, rounds // 3))
+    ours, dense = (times[k][0 if DEVICE.type == "cpu" else 1] for k in ("ours", "dense"))
+    print(f"| one 4096 x {r} matrix | ms / step | vs ours |")
     print("|---|---:|---:|")
     print(
-        f"| dense d x d Cayley (reference approach: W formed, 5 fixed-point iterations) | {dense_s * 1e3:.1f} "
-        f"| {dense_s / ours_s:.0f}x slower |"
+        f"| dense d x d Cayley (W formed, 5 fixed-point iterations) | {dense * 1e3:.1f} | {dense / ours:.0f}x slower |"
     )
-    print(f"| ours: CayleyAdam, exact Woodbury step | {ours_s * 1e3:.2f} | 1x |")
+    print(f"| ours: CayleyAdam, exact step on the span of [B, m] | {ours * 1e3:.2f} | 1x |")
+    print()
+
+
+def main() -> None:
+    global DEVICE
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds (default: 10)")
+    parser.add_argument("--sets", nargs="*", type=int, help="indices into SETS to run (default: all)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    args = parser.parse_args()
+    DEVICE = torch.device(args.device)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    print(
+        f"device {DEVICE}, CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, threads "
+        f"{torch.get_num_threads()}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
+    print()
+    for index, (name, d_outs, r, experts) in enumerate(SETS):
+        if args.sets is None or index in args.sets:
+            bench_set(name, d_outs, r, experts, args.rounds)
+    bench_dense(32, args.rounds)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from torch import nn
 from torch.optim import AdamW, Optimizer
 
 from .adapter import expert_blocks, stiefel_num_experts, stiefel_parameters
-from .stiefel import CAYLEY_SOLVERS, cayley_coefficients, cholesky_qr, inverse_cholesky_factor, qr_retraction
+from .stiefel import CAYLEY_SOLVERS, cayley_span_step, cholesky_qr, qr_retraction, skew_generator
 
 
 try:
@@ -210,9 +210,13 @@ class CayleyAdam(Optimizer):
         for index, p in enumerate(group["params"]):
             _check_stiefel_parameter(p, index, group.get("num_experts", 1))
 
+    def state_dict(self) -> dict[str, Any]:
+        return _standalone_state(super().state_dict())
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         _restore_fp32_state(self, state_dict)
+        self.__dict__.pop("_fora_stacks", None)  # the next step stacks the loaded values
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -221,8 +225,29 @@ class CayleyAdam(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            _cayley_adam_group_step(self.state, group)
+            _cayley_adam_group_step(self, group)
         return loss
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor that holds a Stiefel point or Cayley-Adam state, each once and contiguous: what a broadcast of
+        the whole state sends (ZeRO-1/2's periodic sync). A stacked ``lora_B`` and its ``exp_avg`` are views into
+        their stack's buffer, which is sent whole; a collective writing into a strided view would scatter wrong."""
+        tensors, stacked = [], {}
+        for stack in self.__dict__.get("_fora_stacks", {}).values():
+            if stack.holds(self.state):
+                tensors += [buffer[stack.parity] for buffer in stack.buffers]
+                tensors += [stack.step_count, stack.exp_avg_sq, stack.counts]
+                stacked.update((id(p), low) for p, low in zip(stack.params, stack.low_precision))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in stacked:
+                    if stacked[id(p)]:
+                        tensors.append(p.data)  # the low-precision copy of the stacked master
+                    continue
+                state = self.state.get(p, {})
+                tensors.append(p.data)
+                tensors.extend(state[key] for key in ("master", "exp_avg", "exp_avg_sq") if key in state)
+        return tensors
 
     def skipped_steps(self) -> int:
         """Matrix steps skipped for a non-finite gradient so far, over all parameters (one host sync)."""
@@ -237,6 +262,19 @@ class CayleyAdam(Optimizer):
 def _count(optimizer: Optimizer, key: str) -> int:
     counts = [s[key].sum() for s in optimizer.state.values() if key in s]
     return int(torch.stack(counts).sum()) if counts else 0
+
+
+def _standalone_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each view into a stack replaced by a standalone copy: a saved state has today's layout
+    and size (a view would save its whole stack), and later steps do not write into it."""
+
+    def standalone(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value._base is not None:
+            return value.clone(memory_format=torch.contiguous_format)
+        return value
+
+    state = {key: {k: standalone(v) for k, v in entry.items()} for key, entry in state_dict["state"].items()}
+    return {**state_dict, "state": state}
 
 
 def _restore_fp32_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
@@ -292,7 +330,7 @@ def stiefel_step_with_gradients(optimizer: CayleyAdam, grads: Mapping[torch.Tens
     """
     with torch.no_grad():
         for group in optimizer.param_groups:
-            _cayley_adam_group_step(optimizer.state, group, grads)
+            _cayley_adam_group_step(optimizer, group, grads)
 
 
 def _local_gradient(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -309,10 +347,11 @@ def _local_gradient(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 
 def _cayley_adam_group_step(
-    state: dict[torch.Tensor, dict[str, Any]],
+    optimizer: CayleyAdam,
     group: dict[str, Any],
     grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
+    state = optimizer.state
     group["steps"] += 1
     num_experts = group.get("num_experts", 1)  # a group saved before per-expert blocks existed has no key
     period = group["qr_period"]
@@ -332,12 +371,257 @@ def _cayley_adam_group_step(
             state[p]["reprojections"] = torch.zeros_like(state[p]["skipped_steps"])
         layout = (id(p.device_mesh), tuple(p.placements)) if DTensor is not None and isinstance(p, DTensor) else None
         buckets[(tuple(p.shape), p.device, _compute_dtype(p), layout)].append((p, _local_gradient(p, grad)))
-    for members in buckets.values():
-        params = [p for p, _ in members]
-        _cayley_adam_bucket_step(state, params, [g for _, g in members], group, periodic, _reduce_groups(params[0]))
+    # Plain (d, r) matrices live in FoRA's own stacked storage, one per (r, dtype, device); DTensors (the engine owns
+    # their storage) and fused-expert lora_B (PEFT interleaves the experts' columns) are stacked for the step.
+    stacks: dict[tuple, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = defaultdict(list)
+    for (shape, device, dtype, layout), members in buckets.items():
+        params, bucket_grads = [p for p, _ in members], [g for _, g in members]
+        if layout is None and num_experts == 1:
+            stacks[(shape[1], device, dtype)].append((params, bucket_grads))
+        else:
+            _scratch_bucket_step(state, params, bucket_grads, group, periodic, _reduce_groups(params[0]))
+    for members in stacks.values():
+        _stack_for(optimizer, [params for params, _ in members]).step(
+            state, [bucket_grads for _, bucket_grads in members], group, periodic
+        )
 
 
-def _cayley_adam_bucket_step(
+def _stack_for(optimizer: CayleyAdam, buckets: list[list[torch.Tensor]]) -> _Stack:
+    """The persistent stack of these buckets of parameters, built (or rebuilt) from their current values if its
+    storage is no longer theirs: a new set of parameters with gradients, a loaded state, a moved parameter."""
+    stacks = optimizer.__dict__.setdefault("_fora_stacks", {})
+    key = tuple(tuple(id(p) for p in params) for params in buckets)
+    stack = stacks.get(key)
+    if stack is not None and (torch.compiler.is_compiling() or stack.holds(optimizer.state)):
+        return stack
+    members = {i for ids in key for i in ids}
+    for other in [k for k in stacks if members & {i for ids in k for i in ids}]:
+        del stacks[other]  # a parameter's point lives in one stack
+    stacks[key] = stack = _Stack(optimizer.state, buckets)
+    return stack
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same memory: storage, offset, shape and strides (meta and fake tensors too)."""
+    return (
+        a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
+class _Stack:
+    """FoRA's storage of the plain (d, r) Stiefel matrices of one group with one r, dtype and device.
+
+    Each shape bucket (n matrices of one d) keeps [B, m] in a persistent (n, d, 2r) buffer: the parameter (or its
+    fp32 master) and its ``exp_avg`` are views into it, so the step reads them in place. A matrix product cannot
+    write into its own input, so each bucket has two such buffers: the step reads one and writes
+    [B_{t+1}, m_{t+1}] into the other with one ``baddbmm``, and the views then point at the new one (a metadata
+    change, no copy). The free buffer first receives G (the one copy of the gradients, cast to the compute dtype).
+    The per-matrix scalars (step, v and the two counters) are views into (N,) buffers of the whole stack, and the
+    2r x 2r algebra of all its buckets runs once, batched over the N matrices.
+    """
+
+    def __init__(self, state: dict[torch.Tensor, dict[str, Any]], buckets: list[list[torch.Tensor]]) -> None:
+        first = state[buckets[0][0]]["exp_avg"]
+        dtype, device = first.dtype, first.device
+        self.r = r = first.shape[1]
+        self.params = [p for params in buckets for p in params]
+        self.rows = []  # (start, stop) of each bucket in the stack
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # per bucket, the two (n, d, 2r) buffers
+        start = 0
+        for params in buckets:
+            n, d = len(params), params[0].shape[0]
+            self.rows.append((start, start + n))
+            self.buffers.append(tuple(torch.empty((n, d, 2 * r), dtype=dtype, device=device) for _ in range(2)))
+            start += n
+        states = [state[p] for p in self.params]
+        self.low_precision = ["master" in s for s in states]  # the parameter is the master rounded
+        current = [buffer[0] for buffer in self.buffers]
+        torch._foreach_copy_(self._views(current, 0), [s.get("master", p) for p, s in zip(self.params, states)])
+        torch._foreach_copy_(self._views(current, 1), [s["exp_avg"] for s in states])
+        self.step_count = torch.stack([s["step"] for s in states]).to(torch.float32)  # (N,)
+        self.exp_avg_sq = torch.stack([s["exp_avg_sq"] for s in states]).to(dtype)  # (N,)
+        self.counts = torch.stack(  # (2, N): skipped steps, re-projections
+            [torch.stack([s["skipped_steps"] for s in states]), torch.stack([s["reprojections"] for s in states])]
+        ).to(torch.int64)
+        self.gram = torch.empty((start, 2 * r, 2 * r), dtype=dtype, device=device)  # (N, 2r, 2r)
+        self.norms = torch.empty((start,), dtype=dtype, device=device)  # (N,) ‖G‖
+        self.reprojection = torch.eye(2 * r, dtype=dtype, device=device).repeat(start, 1, 1)  # (N, 2r, 2r) T
+        self.parity = 0
+        self.constants: _Constants | None = None
+        self._point(state)
+
+    def _views(self, buffers: list[torch.Tensor], half: int) -> list[torch.Tensor]:
+        """The (d, r) view of each matrix in the B half (0) or the m half (1) of ``buffers``."""
+        r = self.r
+        return [matrix for buffer in buffers for matrix in buffer[..., half * r : (half + 1) * r].unbind(0)]
+
+    def _point(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Make every parameter (or master) and its state views into the current buffers."""
+        if not hasattr(self, "_all_views"):  # the views of both parities, made once
+            self._all_views = []
+            for parity in (0, 1):
+                buffers = [buffer[parity] for buffer in self.buffers]
+                points, moments = self._views(buffers, 0), self._views(buffers, 1)
+                views = []
+                for i, low in enumerate(self.low_precision):
+                    entry = {
+                        "exp_avg": moments[i],
+                        "step": self.step_count[i],
+                        "exp_avg_sq": self.exp_avg_sq[i],
+                        "skipped_steps": self.counts[0, i],
+                        "reprojections": self.counts[1, i],
+                    }
+                    if low:
+                        entry["master"] = points[i]
+                    views.append(entry)
+                self._all_views.append((points, views))
+        self.points, self.views = self._all_views[self.parity]
+        for p, point, low, views in zip(self.params, self.points, self.low_precision, self.views):
+            if not low:
+                p.data = point
+            state[p].update(views)
+
+    def holds(self, state: dict[torch.Tensor, dict[str, Any]]) -> bool:
+        """Whether every parameter and state entry of the stack is still the view it was given."""
+        for p, point, low, views in zip(self.params, self.points, self.low_precision, self.views):
+            s = state.get(p)
+            if s is None or any(s.get(key) is not view for key, view in views.items()):
+                return False
+            if not low and not _same_view(p, point):
+                return False
+        return True
+
+    def step(
+        self,
+        state: dict[torch.Tensor, dict[str, Any]],
+        grads: list[list[torch.Tensor]],
+        group: dict[str, Any],
+        periodic: bool,
+    ) -> None:
+        r = self.r
+        current = [buffer[self.parity] for buffer in self.buffers]
+        free = [buffer[1 - self.parity] for buffer in self.buffers]
+        staged = []
+        for (start, stop), Q, bucket_grads in zip(self.rows, free, grads):
+            # G in the first half of the free buffer, read as a contiguous (n, d, r) tensor: the passes over G run
+            # several times faster on it than on a strided half (8x for the norm).
+            G = Q.view(-1)[: Q.numel() // 2].view(Q.shape[0], Q.shape[1], r)  # (n, d, r)
+            torch._foreach_copy_(list(G.unbind(0)), bucket_grads)  # in the compute dtype
+            torch.linalg.vector_norm(G.view(G.shape[0], -1), dim=-1, out=self.norms[start:stop])  # inf/nan if any is
+            G.nan_to_num_(0.0, 0.0, 0.0)  # a skipped matrix then keeps m_t bit for bit: m + 0·(G − m) = m
+            staged.append(G)
+        grad_sq = self.norms.square()  # (N,)
+        finite = grad_sq < math.inf  # (N,) False for inf and nan (one op, where isfinite takes four)
+        self.constants = constants = _Constants.get(self.constants, r, self.gram, group["betas"])
+        weight = torch.where(finite, constants.lerp_weight, constants.zero)[:, None, None]  # (N, 1, 1)
+        for (start, stop), P, G in zip(self.rows, current, staged):
+            P[..., r:].lerp_(G, weight[start:stop])  # m_{t+1} = β1 m_t + (1 − β1) G, in place
+            torch.bmm(P.mT, P, out=self.gram[start:stop])  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
+        delta = _cayley_adam_deltas(
+            self.gram,
+            grad_sq,
+            finite,
+            self.step_count,
+            self.exp_avg_sq,
+            self.counts,
+            self.reprojection,
+            group,
+            periodic,
+            constants,
+        )
+        for (start, stop), P, Q in zip(self.rows, current, free):
+            torch.baddbmm(P, P, delta[start:stop], out=Q)  # [B_{t+1}, m_{t+1}] = [B_t, m] (I + Δ)
+        self.parity = 1 - self.parity
+        self._point(state)
+        low = [(p, point) for p, point, is_low in zip(self.params, self.points, self.low_precision) if is_low]
+        if low:
+            torch._foreach_copy_([_local(p) for p, _ in low], [point for _, point in low])
+
+
+class _Constants:
+    """The small constant tensors of the step for one r, dtype, device and betas, made once per stack."""
+
+    def __init__(self, r: int, dtype: torch.dtype, device: torch.device, betas: tuple[float, float]) -> None:
+        self.key = (r, dtype, device, tuple(betas))
+        self.eye = torch.eye(2 * r, dtype=dtype, device=device)  # (2r, 2r)
+        self.top_left = torch.zeros((2 * r, 2 * r), dtype=torch.bool, device=device)  # the BᵀB block
+        self.top_left[:r, :r] = True
+        self.betas = torch.tensor([[betas[0]], [betas[1]]], dtype=dtype, device=device)  # (2, 1)
+        self.neg_eye = -self.eye
+        self.left = torch.zeros_like(self.eye)  # (2r, 2r): 1 in the B columns, T · left = [T e_B, 0]
+        self.left[:, :r] = 1.0
+        self.lerp_weight = torch.tensor(1 - betas[0], dtype=dtype, device=device)  # the first moment's 1 − β1
+        self.zero = torch.zeros((), dtype=dtype, device=device)
+        self.skew_basis = torch.zeros_like(self.eye)  # J = [[0, −I], [I, 0]], see skew_generator
+        self.skew_basis.diagonal(offset=r).fill_(-1.0)
+        self.skew_basis.diagonal(offset=-r).fill_(1.0)
+
+    @classmethod
+    def get(cls, cached: _Constants | None, r: int, gram: torch.Tensor, betas: tuple[float, float]) -> _Constants:
+        if cached is not None and cached.key == (r, gram.dtype, gram.device, tuple(betas)):
+            return cached
+        return cls(r, gram.dtype, gram.device, betas)
+
+
+def _cayley_adam_deltas(
+    gram: torch.Tensor,
+    grad_sq: torch.Tensor,
+    finite: torch.Tensor,
+    step: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    counts: torch.Tensor,
+    T: torch.Tensor,
+    group: dict[str, Any],
+    periodic: bool,
+    constants: _Constants,
+) -> torch.Tensor:
+    """Δ (N, 2r, 2r) with [B_{t+1}, m_{t+1}] = [B_t, m] (I + Δ), from the Gram matrices of [B_t, m] (N, 2r, 2r),
+    m = β1 m_t + (1 − β1) G, and ‖G‖² (N,); ``step``, ``exp_avg_sq`` (N,) and ``counts`` (2, N: skipped steps,
+    re-projections) are updated in place. ``T`` (N, 2r, 2r) is identity outside its B block, which the step writes.
+    A skipped matrix (``finite`` False) gets Δ = 0. 2r x 2r algebra only.
+    """
+    beta2 = group["betas"][1]
+    eye = constants.eye  # (2r, 2r)
+    step.add_(finite)
+    torch.where(finite, exp_avg_sq.lerp(grad_sq, 1 - beta2), exp_avg_sq, out=exp_avg_sq)
+
+    # Re-projection by Cholesky-QR of B (B R⁻¹, RᵀR = BᵀB) before the step, folded into the coefficients: with
+    # T = diag(R⁻¹, I), [B R⁻¹, m] = [B, m] T and its Gram matrix is Tᵀ gram T. No host sync, no extra reduction.
+    r = gram.shape[-1] // 2
+    gram_b = gram[:, :r, :r]  # (N, r, r) BᵀB
+    drifting = torch.linalg.matrix_norm(gram_b - eye[:r, :r]) > group.get("reproject_threshold", REPROJECT_THRESHOLD)
+    factor, info = torch.linalg.cholesky_ex(gram_b)
+    factored = (info == 0) & finite
+    reprojected = drifting & factored  # the counter: drift, not the periodic re-projection
+    counts.add_(torch.stack((~finite, reprojected)))
+    project = factored if periodic else reprojected
+    r_inv = torch.linalg.solve_triangular(factor.mT, eye[:r, :r].expand_as(gram_b), upper=True)  # (N, r, r)
+    # T = diag(R⁻¹, I) where projected, I elsewhere (an unfactored R⁻¹ may hold inf/nan: a select, not a product).
+    T[:, :r, :r].copy_(torch.where(project[:, None, None], r_inv, eye[:r, :r]))
+    gram = T.mT @ gram @ T
+
+    # W is linear in m, so the bias-corrected W(m̂)/(√v̂ + ε) step of size lr is a step of size τ along W(m).
+    bias = 1 - torch.pow(constants.betas, step)  # (2, N): 1 − β1^t, 1 − β2^t
+    denominator = (exp_avg_sq / bias[1]).sqrt_().add_(group["eps"]).mul_(bias[0])  # (N,)
+    # τ/2 = lr/2 · (1/denominator); the denominator is 0 only if v = 0 and eps = 0: every gradient so far was 0 (so
+    # m = 0), no move rather than 0/0 = NaN.
+    tau_per_lr = denominator.reciprocal_().nan_to_num_(0.0, 0.0, 0.0)
+    omega = skew_generator(gram, skew_basis=constants.skew_basis)  # (N, 2r, 2r)
+    solver, iters = group["cayley_solver"], group["cayley_iters"]
+    z = cayley_span_step(omega, tau_per_lr, solver=solver, iters=iters, eye=eye, scale=group["lr"] / 2)
+    # In the projected basis [B R⁻¹, m]: B_{t+1} = B R⁻¹ + [B R⁻¹, m] z, and the first moment becomes W(m) B_{t+1} =
+    # [B R⁻¹, m] Ω (e_B + z), its tangent part carried to the new point. So with C = [z, Ω (e_B + z)],
+    # [B_{t+1}, m_{t+1}] = [B, m] (T C + [T e_B, 0]) and Δ = T C + [T e_B, 0] − I. The small step z is added to B,
+    # never formed as e_B + z: that keeps the fp32 drift from the manifold ~10x lower.
+    moved = torch.baddbmm(omega[..., : z.shape[-1]], omega, z)  # Ω (e_B + z)
+    delta = torch.baddbmm(torch.addcmul(constants.neg_eye, T, constants.left), T, torch.cat((z, moved), dim=-1))
+    return torch.where(finite[:, None, None], delta, constants.zero)  # a skipped matrix: B and m stay bit for bit
+
+
+def _scratch_bucket_step(
     state: dict[torch.Tensor, dict[str, Any]],
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -345,12 +629,10 @@ def _cayley_adam_bucket_step(
     periodic: bool,
     reduce_groups: tuple,
 ) -> None:
-    """One Cayley-Adam step for n matrices of one shape, stacked: a fixed number of kernels whatever n is.
-
-    Works on the local rows of each matrix; a sum over rows is all-reduced over ``reduce_groups`` (none for
-    plain tensors), once per bucket.
+    """The step for matrices whose storage FoRA does not own as a stack: DTensor shards (FSDP2) and the interleaved
+    expert blocks of a fused-MoE lora_B. They are copied into a (n, d, 2r) buffer and back; otherwise the step is
+    the stacked one. A sum over rows is all-reduced over ``reduce_groups`` (none for plain tensors), once.
     """
-    beta1, beta2 = group["betas"]
     num_experts = group.get("num_experts", 1)
     states = [state[p] for p in params]
     masters = [_local(s.get("master", p)) for p, s in zip(params, states)]  # (d_local, r·E) each
@@ -359,13 +641,9 @@ def _cayley_adam_bucket_step(
     n = len(params) * num_experts
     dtype, device = exp_avgs[0].dtype, exp_avgs[0].device
     sharded = bool(reduce_groups)
-    # B and m side by side in one scratch buffer: the step reads [B, m_{t+1}] as a whole, with no extra copy. The
-    # second buffer holds G, or under sharding m_t: there a skip (a non-finite ‖G‖² on any rank) is only known
-    # after the all-reduce, so m_{t+1} is formed for every matrix and m_t kept for the skipped ones.
-    BM = torch.empty((n, d, 2 * r), dtype=dtype, device=device)  # (n, d, 2r)
-    B, m = BM[..., :r], BM[..., r:]  # (n, d, r) views
-    other = torch.empty((n, d, r), dtype=dtype, device=device)
-    G, m_old = (m, other) if sharded else (other, m)
+    constants = _Constants(r, dtype, device, group["betas"])
+    P = torch.empty((n, d, 2 * r), dtype=dtype, device=device)  # [B, m]
+    Q = torch.empty((n, d, 2 * r), dtype=dtype, device=device)  # G, then [B_{t+1}, m_{t+1}]
 
     # One (E, d, r) view of the stack per parameter and the matching (E, d, r) view of each parameter's tensor.
     # With E = 1, plain (d, r) matrices: torch._foreach_copy_ then takes its fast path (2x faster on CPU).
@@ -375,71 +653,50 @@ def _cayley_adam_bucket_step(
     def expert_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return tensors if num_experts == 1 else [expert_blocks(t, num_experts) for t in tensors]
 
+    B, m, G = P[..., :r], P[..., r:], Q[..., r:]
     torch._foreach_copy_(blocks(B), expert_views(masters))
-    torch._foreach_copy_(blocks(m_old), expert_views(exp_avgs))
+    torch._foreach_copy_(blocks(m), expert_views(exp_avgs))
     torch._foreach_copy_(blocks(G), expert_views(grads))  # in the compute dtype
     scalar_shape = () if num_experts == 1 else (num_experts,)
 
     def stacked(key: str) -> torch.Tensor:  # (n,)
         return torch.stack([s[key] for s in states]).reshape(n)
 
-    v, step, skipped, reprojected = (stacked(k) for k in ("exp_avg_sq", "step", "skipped_steps", "reprojections"))
-
-    grad_sq = G.square().sum(dim=(-2, -1))  # (n,) ‖G‖² of the local rows: inf/nan iff some entry is (or overflow)
-    finite = torch.isfinite(grad_sq)
-    G.masked_fill_(~finite[:, None, None], 0.0)  # keeps the Gram matrices finite
+    step, v = stacked("step"), stacked("exp_avg_sq")
+    counts = torch.stack((stacked("skipped_steps"), stacked("reprojections")))  # (2, n)
+    grad_sq = torch.linalg.vector_norm(G, dim=(-2, -1)).square()  # (n,) of the local rows: inf/nan iff some entry is
+    G.nan_to_num_(0.0, 0.0, 0.0)  # keeps the Gram matrices finite
     if sharded:
-        m.lerp_(m_old, beta1)  # m_{t+1} = β1 m_t + (1 − β1) G
-    else:
-        m.lerp_(G, (1 - beta1) * finite.to(dtype)[:, None, None])  # a skipped matrix keeps m_t bit for bit
-    gram = BM.mT @ BM  # (n, 2r, 2r), the only O(d·r²) product: [[BᵀB, Bᵀm], [mᵀB, mᵀm]] of the local rows
-    if sharded:
+        # A skip (a non-finite ‖G‖² on any rank) is only known after the all-reduce: m_{t+1} is formed for every
+        # matrix, and m_t kept for the skipped ones.
+        m_old = m.clone()
+        m.lerp_(G, constants.lerp_weight)
+        gram = P.mT @ P  # (n, 2r, 2r) of the local rows
         sums = torch.cat((gram.reshape(n, -1), grad_sq[:, None]), dim=1)  # (n, 4r² + 1): one all-reduce
         _all_reduce(sums, reduce_groups)
         gram, grad_sq = sums[:, :-1].reshape(n, 2 * r, 2 * r), sums[:, -1]
-        finite = torch.isfinite(grad_sq)  # (n,) the same on every rank
-
-    live = finite.to(dtype)  # (n,) 1 = step, 0 = skip
-    step += live
-    skipped += (~finite).long()
-    v.lerp_(torch.where(finite, grad_sq, 0.0), (1 - beta2) * live)
-
-    # Re-projection by Cholesky-QR of B (B R⁻¹, RᵀR = BᵀB) before the step, folded into the coefficients: with
-    # T = diag(R⁻¹, I), [B R⁻¹, m] = [B, m] T and its Gram matrix is Tᵀ gram T. No host sync, no extra reduction.
-    eye_r = torch.eye(r, dtype=dtype, device=device)
-    drift = torch.linalg.matrix_norm(gram[:, :r, :r] - eye_r)  # (n,) ‖BᵀB − I‖_F
-    drifting = drift > group.get("reproject_threshold", REPROJECT_THRESHOLD)  # absent from older checkpoints
-    r_inv, factored = inverse_cholesky_factor(gram[:, :r, :r])  # (n, r, r)
-    project = (drifting | periodic) & factored & finite
-    reprojected += (drifting & factored & finite).long()
-    T = torch.eye(2 * r, dtype=dtype, device=device).repeat(n, 1, 1)  # (n, 2r, 2r)
-    T[:, :r, :r] = torch.where(project[:, None, None], r_inv, eye_r)
-    gram = T.mT @ gram @ T
-
-    # W is linear in m, so the bias-corrected W(m̂)/(√v̂ + ε) step of size lr is a step of size tau along W(m).
-    t = step.to(dtype).clamp_min(1.0)
-    bias1, bias2 = 1 - beta1**t, 1 - beta2**t
-    denominator = bias1 * ((v / bias2).sqrt() + group["eps"])  # (n,) 0 only if v = 0 and eps = 0
-    # v = 0 means every gradient so far was 0 (so m = 0): no move, rather than 0/0 = NaN when eps = 0.
-    tau = torch.where(denominator > 0, live * group["lr"] / denominator.clamp_min(torch.finfo(dtype).tiny), 0.0)
-    coef = T @ cayley_coefficients(BM, tau, gram=gram, solver=group["cayley_solver"], iters=group["cayley_iters"])
-    # Applied as B + [B, m] (P_B − e_B): adding a small step to B keeps ~10x less drift than forming [B, m] P_B.
-    e_b = torch.eye(2 * r, r, dtype=dtype, device=device)  # (2r, r): B = [B, m] e_b
-    # A skipped matrix gets a zero step and keeps m: products with exact 0 and 1 reproduce both bit for bit.
-    e_m = torch.eye(2 * r, dtype=dtype, device=device)[:, r:]  # (2r, r): m = [B, m] e_m
-    coef = torch.where(finite[:, None, None], coef - torch.cat((e_b, 0 * e_b), -1), torch.cat((0 * e_b, e_m), -1))
-    out = BM @ coef  # (n, d, 2r): [B_{t+1} − B_t, W(m) B_{t+1}]
-    # The first moment becomes W(m) B_{t+1}: its tangent part, carried to the new point.
-    B_next = B + out[..., :r]
-    m_next = torch.where(finite[:, None, None], out[..., r:], m_old) if sharded else out[..., r:]
+        finite = grad_sq < math.inf  # (n,) the same on every rank
+    else:
+        finite = grad_sq < math.inf
+        m.lerp_(
+            G, torch.where(finite, constants.lerp_weight, constants.zero)[:, None, None]
+        )  # a skipped matrix keeps m_t
+        gram = P.mT @ P
+    T = constants.eye.repeat(n, 1, 1)
+    delta = _cayley_adam_deltas(gram, grad_sq, finite, step, v, counts, T, group, periodic, constants)
+    torch.baddbmm(P, P, delta, out=Q)
+    B_next, m_next = Q[..., :r], Q[..., r:]
+    if sharded:
+        m_next = torch.where(finite[:, None, None], m_next, m_old)
 
     torch._foreach_copy_(expert_views(masters), blocks(B_next))
     low_precision = [(_local(p), b) for p, s, b in zip(params, states, masters) if "master" in s]
     if low_precision:
         torch._foreach_copy_([p for p, _ in low_precision], [b for _, b in low_precision])
     torch._foreach_copy_(expert_views(exp_avgs), blocks(m_next))
-    for key, values in (("exp_avg_sq", v), ("step", step), ("skipped_steps", skipped), ("reprojections", reprojected)):
-        torch._foreach_copy_([s[key] for s in states], list(values.view(len(params), *scalar_shape).unbind(0)))
+    values = {"exp_avg_sq": v, "step": step, "skipped_steps": counts[0], "reprojections": counts[1]}
+    for key, value in values.items():
+        torch._foreach_copy_([s[key] for s in states], list(value.view(len(params), *scalar_shape).unbind(0)))
 
 
 _ADAMW_DEFAULT_LR = 1e-3  # torch.optim.AdamW's
@@ -506,6 +763,9 @@ class FoRAOptimizer(Optimizer):
         for stiefel, delegate in self._delegates.items():
             delegate.param_groups = [g for g in self.param_groups if g["stiefel"] == stiefel]
             delegate.state = self.state
+
+    def state_dict(self) -> dict[str, Any]:
+        return _standalone_state(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

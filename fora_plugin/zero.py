@@ -229,11 +229,7 @@ class ZeroFoRAOptimizer(AdamW):
         """Give every rank rank 0's ``lora_B``, fp32 master and Cayley-Adam moments."""
         if not (dist.is_available() and dist.is_initialized()):
             return
-        tensors = []
-        for p in self.stiefel_parameters:
-            state = self.stiefel.state.get(p, {})
-            tensors.append(p.data)
-            tensors.extend(state[key] for key in ("master", "exp_avg", "exp_avg_sq") if key in state)
+        tensors = self.stiefel.state_tensors()  # contiguous (lora_B and its moments are views into stacks)
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         for tensor in tensors:
             dist.broadcast(tensor, src=src, group=self.process_group)

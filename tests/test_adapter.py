@@ -194,3 +194,35 @@ def test_resume_with_another_budget_warns_that_the_checkpoint_layers_are_kept(tm
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert choose_layers(tiny_llama(), FoRAConfig(), seed=0, checkpoint=checkpoint, score=never).chosen == [1, 3]
+
+
+def test_a_saved_adapter_and_optimizer_state_are_unaffected_by_the_stacked_storage(llama, token_batch, tmp_path):
+    from safetensors.torch import load_file
+
+    model = lora(llama)
+    make_stiefel(model, generator=torch.Generator().manual_seed(0))
+    opt = build_fora_optimizer(model)
+    for _ in range(2):
+        model(input_ids=token_batch, labels=token_batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    lora_b = dict(stiefel_parameters(model))
+    first = next(iter(lora_b.values()))
+    assert first.untyped_storage().nbytes() > first.numel() * first.element_size()  # a view into a stack
+    expected = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    assert len(saved) == len(expected)
+    for name, value in saved.items():
+        key = name.replace(".weight", ".default.weight")
+        assert torch.equal(value, expected[key])  # the same values, each tensor on its own
+    assert (tmp_path / "adapter_model.safetensors").stat().st_size < sum(v.numel() * 4 for v in saved.values()) + 2**14
+    # Reloaded into a fresh model, the adapter gives the trained model's output.
+    from peft import PeftModel
+
+    reloaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
+    assert torch.allclose(logits(reloaded, token_batch), logits(model, token_batch), atol=1e-6)
+    state = opt.state_dict()["state"]
+    for entry in state.values():
+        for value in entry.values():
+            assert value.untyped_storage().nbytes() == value.numel() * value.element_size()

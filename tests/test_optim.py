@@ -1,5 +1,6 @@
 """CayleyAdam and FoRAOptimizer on bare tensors: trajectories, manifold, resume, robustness, errors."""
 
+import contextlib
 import copy
 import io
 
@@ -483,3 +484,215 @@ def test_every_transformers_scheduler_keeps_the_lr_ratio_or_is_refused(name):
         check_lr_scheduler_type(name)
     if name != "constant":
         assert len(set(lrs)) > 1  # the schedule did act
+
+
+# ---- stacked storage, host syncs, graph breaks, optimizer state saved by the old step -----------------------------
+
+
+def reference_optimizer_class():
+    """The old step (before the stacked storage), kept in bench/ as the reference path."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "reference_cayley_adam.py"
+    spec = importlib.util.spec_from_file_location("reference_cayley_adam", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ReferenceCayleyAdam
+
+
+class AtenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the name of every aten op that runs, and the largest tensor it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.names, self.sizes = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        tensors = [
+            t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)
+        ]
+        self.sizes.append(max((t.numel() for t in tensors), default=0))
+        return func(*args, **(kwargs or {}))
+
+
+def test_lora_b_and_its_first_moment_are_views_of_one_stack_and_the_step_copies_neither():
+    params = stiefel_params([(48, 4), (48, 4), (48, 4), (20, 4)], seed=50)
+    opt = CayleyAdam(params, lr=0.02)
+    gen = torch.Generator().manual_seed(51)
+    set_random_grads(params, gen)
+    opt.step()
+    storages = {p.untyped_storage().data_ptr() for p in params[:3]}
+    moments = {opt.state[p]["exp_avg"].untyped_storage().data_ptr() for p in params[:3]}
+    assert len(storages) == 1 and storages == moments  # one (3, 48, 8) buffer holds the three B and m
+    assert params[3].untyped_storage().data_ptr() not in storages  # another shape, another bucket
+    set_random_grads(params, gen)
+    with AtenOps() as ops:
+        opt.step()
+    # Per bucket one copy: the gradients into the stack. B and m are read in place and written by the product.
+    assert ops.names.count("_foreach_copy_") == 2, ops.names
+    assert not [size for name, size in zip(ops.names, ops.sizes) if name == "copy_" and size >= 20 * 4]
+    assert all(torch.equal(p, opt.state[p]["exp_avg"].new_tensor(p.detach())) for p in params)
+
+
+def test_the_stacked_step_follows_the_old_step_and_loads_state_saved_by_it():
+    # fp64: both steps are exact, so they agree to rounding; the old step saved plain (d, r) tensors.
+    Reference = reference_optimizer_class()
+    shapes = [(40, 4), (40, 4), (16, 2)]
+    params = stiefel_params(shapes, seed=52, dtype=torch.float64)
+    old = Reference(params, lr=0.05, qr_period=4)
+    gen = torch.Generator().manual_seed(53)
+    for _ in range(5):
+        set_random_grads(params, gen)
+        old.step()
+    buffer = io.BytesIO()
+    torch.save(old.state_dict(), buffer)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    new = CayleyAdam(twins, lr=0.05, qr_period=4)
+    buffer.seek(0)
+    new.load_state_dict(torch.load(buffer, weights_only=True))
+    for step in range(6):  # crosses a periodic re-projection, and skips a non-finite gradient
+        set_random_grads(params, gen)
+        if step == 2:
+            params[1].grad[3, 1] = float("nan")
+        for p, q in zip(params, twins):
+            q.grad = p.grad.clone()
+        old.step()
+        new.step()
+        for p, q in zip(params, twins):
+            assert torch.max(torch.abs(p.detach() - q.detach())) < 1e-12
+            assert torch.max(torch.abs(old.state[p]["exp_avg"] - new.state[q]["exp_avg"])) < 1e-12
+    for key in ("step", "skipped_steps", "reprojections", "exp_avg_sq"):
+        assert [float(old.state[p][key]) for p in params] == pytest.approx([float(new.state[q][key]) for q in twins])
+    # And the new step saves what the old one saved: plain tensors of each parameter's own size.
+    saved = new.state_dict()["state"]
+    for index, q in enumerate(twins):
+        exp_avg = saved[index]["exp_avg"]
+        assert exp_avg.is_contiguous() and exp_avg.untyped_storage().nbytes() == q.numel() * 8
+        assert exp_avg.data_ptr() != new.state[q]["exp_avg"].data_ptr()  # a copy, not the live stack
+
+
+def test_a_parameter_without_a_gradient_or_replaced_storage_keeps_its_point_and_state():
+    params = stiefel_params([(24, 3), (24, 3), (24, 3)], seed=54, dtype=torch.float64)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = CayleyAdam(params, lr=0.05)
+    ref = reference_optimizer_class()(twins, lr=0.05)
+    gen = torch.Generator().manual_seed(55)
+    for step in range(6):
+        set_random_grads(params, gen)
+        if step == 2:
+            params[0].grad = None  # not stepped: the others form a new stack
+        if step == 4:
+            with torch.no_grad():
+                params[2].data = params[2].detach().clone()  # storage replaced from outside (e.g. .to())
+        for p, q in zip(params, twins):
+            q.grad = None if p.grad is None else p.grad.clone()
+        opt.step()
+        ref.step()
+        for p, q in zip(params, twins):
+            assert torch.max(torch.abs(p.detach() - q.detach())) < 1e-12
+    assert [int(opt.state[p]["step"]) for p in params] == [5, 6, 6]
+
+
+def new_stepped(kind):
+    """A CayleyAdam (or FoRAOptimizer) after one step, and a function setting the next gradients."""
+    gen = torch.Generator().manual_seed(56)
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    params = stiefel_params([(32, 4), (32, 4), (12, 4)], seed=57, dtype=dtype)
+    if kind == "experts":
+        params.append(torch.nn.Parameter(interleave([random_stiefel(16, 2, generator=gen) for _ in range(3)])))
+        groups = [{"params": params[:3]}, {"params": params[3:], "num_experts": 3}]
+    else:
+        groups = [{"params": params}]
+    if kind == "fora":
+        a = torch.nn.Parameter(torch.randn(4, 8, generator=gen))
+        opt = FoRAOptimizer(
+            [{"params": [a]}, {**groups[0], "stiefel": True}],
+            adamw_defaults={"lr": 1e-2, "fused": True},
+            stiefel_defaults={"lr": 0.05, "qr_period": 3},
+        )
+        params = params + [a]
+    else:
+        opt = CayleyAdam(groups, lr=0.05, qr_period=3)
+
+    def set_grads():
+        set_random_grads(params, gen)
+
+    return opt, params, set_grads
+
+
+@pytest.mark.parametrize("kind", ["cayley", "fora", "bf16", "experts"])
+def test_steps_make_no_host_sync_first_later_skipped_or_reprojected(kind):
+    from fora_plugin.host_sync import HostSyncCounter
+
+    opt, params, set_grads = new_stepped(kind)
+    set_grads()
+    with HostSyncCounter() as syncs:
+        opt.step()  # the first: state made, points projected, stacks built
+    assert syncs.count == 0, syncs.report()
+    for case in ("later", "skip", "drift", "periodic"):
+        set_grads()
+        if case == "skip":
+            params[1].grad[0, 0] = float("inf")
+        if case == "drift":
+            point = opt.state[params[0]].get("master", params[0])  # a bf16 lora_B is its fp32 master, rounded
+            with torch.no_grad():
+                point.add_(0.05 * torch.randn_like(point))
+        with HostSyncCounter() as syncs:
+            opt.step()
+        assert syncs.count == 0, f"{case}: {syncs.report()}"
+    assert opt.skipped_steps() == 1 and opt.reprojections() >= 1  # the paths were taken
+    assert opt.param_groups[-1]["steps"] % 3 == 2  # the periodic re-projection ran at step 3
+
+
+def test_the_step_has_no_graph_break_under_dynamo():
+    params = stiefel_params([(32, 4), (32, 4), (12, 4)], seed=58)
+    opt = CayleyAdam(params, lr=0.05)
+    gen = torch.Generator().manual_seed(59)
+    set_random_grads(params, gen)
+    opt.step()
+    set_random_grads(params, gen)
+    explanation = torch._dynamo.explain(opt.step)()
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def test_state_tensors_are_contiguous_and_carry_the_whole_state():
+    # What ZeRO-1/2's periodic broadcast sends: writing one optimizer's state tensors into another's makes them equal.
+    gen = torch.Generator().manual_seed(60)
+    shapes = [(24, 3), (24, 3), (10, 3)]
+    runs = []
+    for seed in (61, 62):
+        low = [torch.nn.Parameter(p.detach().contiguous()) for p in stiefel_params([(24, 3)], seed, torch.bfloat16)]
+        params = stiefel_params(shapes, seed=seed) + low  # a bf16 lora_B: its fp32 master is stacked
+        opt = CayleyAdam(params, lr=0.05)
+        for _ in range(2):
+            set_random_grads(params, gen)
+            opt.step()
+        runs.append((params, opt))
+    (src_params, src), (dst_params, dst) = runs
+    sent, received = src.state_tensors(), dst.state_tensors()
+    assert all(t.is_contiguous() for t in sent) and [t.shape for t in sent] == [t.shape for t in received]
+    for s, r in zip(sent, received):
+        r.copy_(s)
+    for p, q in zip(src_params, dst_params):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            if key in src.state[p]:
+                assert torch.equal(src.state[p][key], dst.state[q][key])
+
+
+def test_the_stacked_step_runs_on_fake_and_meta_tensors():
+    # fora plan and the device-placement tests run the optimizer on tensors without data.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for mode, device in ((FakeTensorMode(), "cpu"), (contextlib.nullcontext(), "meta")):
+        with mode:
+            params = [torch.nn.Parameter(torch.randn(64, 4, device=device)) for _ in range(3)]
+            opt = CayleyAdam(params)
+            for _ in range(2):
+                for p in params:
+                    p.grad = torch.randn(64, 4, device=device)
+                opt.step()
+            assert opt.state[params[0]]["exp_avg"].shape == (64, 4)
