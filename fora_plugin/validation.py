@@ -296,9 +296,13 @@ def _meta_model(model_path: str, trust_remote_code: bool):
     """The model at ``model_path`` built from its config.json on the meta device: its structure, no weights read."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_utils import set_zero3_state
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
+    # Under a ZeRO-3 config, from_config would partition the model with deepspeed.zero.Init, which needs DeepSpeed's
+    # process group (not joined yet when the names are checked) and ignores the meta device; set_zero3_state is
+    # transformers' own "zero.Init is already active" flag, so the model is built as it is without ZeRO-3.
+    with torch.device("meta"), set_zero3_state():
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 

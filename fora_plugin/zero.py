@@ -502,7 +502,7 @@ class Zero3FoRAOptimizer(AdamW):
         cayley["lr"] = group["lr"]  # the LR schedule's value for this group
         # This group's Cayley group alone: stepping them all here would advance the other groups' step counts
         # (and so their periodic QR) once per sub-group.
-        _cayley_adam_group_step(self.stiefel.state, cayley, grads)
+        _cayley_adam_group_step(self.stiefel, cayley, grads)
         offset = 0
         for p, size in zip(params, sizes):
             new = self._full[p].reshape(-1)

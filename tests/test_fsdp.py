@@ -10,7 +10,7 @@ from conftest import TARGETS, tiny_llama
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from test_trainer import LAYERS, VOCAB
-from test_zero import torchrun
+from test_zero import one_ulp_from, torchrun
 
 from fora_plugin import FoRAConfig, build_fora_optimizer, make_stiefel
 from fora_plugin.fsdp import (
@@ -48,17 +48,6 @@ def single_process():
     return {world: fsdp_engine.train_single_process(world) for world in WORLDS}
 
 
-def ulp_perturbed_model() -> torch.nn.Module:
-    """The engine's model with every lora_A entry moved by one float32 ulp, up or down at random."""
-    model = BUILD_MODEL()
-    signs = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_A" in name:
-                p.mul_(1 + torch.finfo(torch.float32).eps * torch.randn(p.shape, generator=signs).sign())
-    return model
-
-
 BUILD_MODEL = fsdp_engine.build_model
 
 
@@ -77,7 +66,7 @@ def tolerance(single_process):
     finally:
         fsdp_engine.micro_batch = original
     try:
-        fsdp_engine.build_model = ulp_perturbed_model
+        fsdp_engine.build_model = one_ulp_from(BUILD_MODEL)
         perturbed = {world: fsdp_engine.train_single_process(world)["lora"] for world in WORLDS}
     finally:
         fsdp_engine.build_model = BUILD_MODEL

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -77,17 +78,36 @@ def single_process():
     return zero_engine.train_single_process()
 
 
+def one_ulp_from(build: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+    """``build``, then every lora_A entry moved by one float32 ulp, up or down at random."""
+
+    def perturbed() -> torch.nn.Module:
+        model = build()
+        signs = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_A" in name:
+                    p.mul_(1 + torch.finfo(torch.float32).eps * torch.randn(p.shape, generator=signs).sign())
+        return model
+
+    return perturbed
+
+
 def noise_tolerance(reference: dict[str, torch.Tensor], **kwargs) -> float:
-    """5x the float noise of a single-process run (``zero_engine.train_single_process(**kwargs)``) itself: the same
-    run with its micro-batch gradients summed in another order (all-reduce and ZeRO's buckets change the order, and
-    Adam's normalisation magnifies the rounding of near-zero gradient entries)."""
+    """5x the float noise of a single-process run (``zero_engine.train_single_process(**kwargs)``) itself, the larger
+    of two measures of it: the same run with its micro-batch gradients summed in another order (all-reduce and ZeRO's
+    buckets change the order, and Adam's normalisation magnifies the rounding of near-zero gradient entries), and the
+    same run started from lora_A one ulp away (the engines' matmuls round differently from the single process's, by
+    how much depends on the CPU's BLAS kernels: reordered sums alone understated it on a CPU without AVX-512)."""
     original = zero_engine.micro_batch
     try:
         zero_engine.micro_batch = lambda b, r, m: original(b, zero_engine.WORLD - 1 - r, zero_engine.GAS - 1 - m)
         reordered, _ = zero_engine.train_single_process(**kwargs)
     finally:
         zero_engine.micro_batch = original
-    noise = max((reference[k] - reordered[k]).abs().max().item() for k in reference)
+    build = kwargs.pop("build", None) or zero_engine.build_model
+    perturbed, _ = zero_engine.train_single_process(build=one_ulp_from(build), **kwargs)
+    noise = max((reference[k] - other[k]).abs().max().item() for other in (reordered, perturbed) for k in reference)
     return 5 * max(noise, 1e-6)
 
 
