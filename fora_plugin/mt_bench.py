@@ -275,15 +275,19 @@ def parse_verdict(judgment: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- prompts
+def _reference_fields(ref: dict[str, Any] | None, turn: int) -> dict[str, str]:
+    """The reference answers a math/reasoning/coding judge prompt shows: turn 1's, and turn 2's on the second turn."""
+    if ref is None:
+        return {}
+    ref_turns = answer_turns(ref)
+    return {"ref_answer_1": ref_turns[0], **({"ref_answer_2": ref_turns[1]} if turn == 2 else {})}
+
+
 def single_prompt(
     template: dict[str, Any], question: dict[str, Any], answer: dict[str, Any], ref: dict[str, Any] | None, turn: int
 ) -> str:
     """The user prompt of a single-answer judgment, filled as FastChat's ``run_judge_single`` fills it."""
-    turns, kwargs = answer_turns(answer), {}
-    if ref is not None:
-        kwargs["ref_answer_1"] = answer_turns(ref)[0]
-        if turn == 2:
-            kwargs["ref_answer_2"] = answer_turns(ref)[1]
+    turns, kwargs = answer_turns(answer), _reference_fields(ref, turn)
     if turn == 2:
         return template["prompt_template"].format(
             question_1=question["turns"][0],
@@ -304,11 +308,7 @@ def pair_prompt(
     turn: int,
 ) -> str:
     """The user prompt of a pairwise judgment (A shown first), as FastChat's ``run_judge_pair`` fills it."""
-    a, b, kwargs = answer_turns(answer_a), answer_turns(answer_b), {}
-    if ref is not None:
-        kwargs["ref_answer_1"] = answer_turns(ref)[0]
-        if turn == 2:
-            kwargs["ref_answer_2"] = answer_turns(ref)[1]
+    a, b, kwargs = answer_turns(answer_a), answer_turns(answer_b), _reference_fields(ref, turn)
     if turn == 2:
         return template["prompt_template"].format(
             question_1=question["turns"][0],
