@@ -549,11 +549,13 @@ class _Constants:
         self.eye = torch.eye(2 * r, dtype=dtype, device=device)  # (2r, 2r)
         self.top_left = torch.zeros((2 * r, 2 * r), dtype=torch.bool, device=device)  # the BᵀB block
         self.top_left[:r, :r] = True
-        self.betas = torch.tensor([[betas[0]], [betas[1]]], dtype=dtype, device=device)  # (2, 1)
+        # Factories, not torch.tensor(data, device=): that is a host-to-device copy on an accelerator.
+        self.betas = torch.full((2, 1), betas[0], dtype=dtype, device=device)  # (2, 1): β1, β2
+        self.betas[1] = betas[1]
         self.neg_eye = -self.eye
         self.left = torch.zeros_like(self.eye)  # (2r, 2r): 1 in the B columns, T · left = [T e_B, 0]
         self.left[:, :r] = 1.0
-        self.lerp_weight = torch.tensor(1 - betas[0], dtype=dtype, device=device)  # the first moment's 1 − β1
+        self.lerp_weight = torch.full((), 1 - betas[0], dtype=dtype, device=device)  # the first moment's 1 − β1
         self.zero = torch.zeros((), dtype=dtype, device=device)
         self.skew_basis = torch.zeros_like(self.eye)  # J = [[0, −I], [I, 0]], see skew_generator
         self.skew_basis.diagonal(offset=r).fill_(-1.0)
