@@ -509,6 +509,19 @@ def _run_all(tasks: list[Callable[[], None]], parallel: int, desc: str) -> None:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _template_and_reference(
+    prompts: dict[str, dict[str, Any]],
+    names: dict[tuple[bool, bool], str],
+    question: dict[str, Any],
+    references: dict[int, dict[str, Any]],
+    turn: int,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The judge prompt for this question's category and turn, and its reference answer where the category has one."""
+    needs_ref = question["category"] in NEED_REF_CATS
+    ref = references.get(question["question_id"]) if needs_ref else None
+    return prompts[names[needs_ref, turn == 2]], ref
+
+
 def judge_single(
     client: JudgeClient,
     questions: Sequence[dict[str, Any]],
@@ -525,9 +538,7 @@ def judge_single(
     tasks = []
     for turn in (1, 2):
         for q in questions:
-            needs_ref = q["category"] in NEED_REF_CATS
-            template = prompts[SINGLE_PROMPTS[needs_ref, turn == 2]]
-            ref = references.get(q["question_id"]) if needs_ref else None
+            template, ref = _template_and_reference(prompts, SINGLE_PROMPTS, q, references, turn)
             for model, model_answers in answers.items():
                 user_prompt = single_prompt(template, q, model_answers[q["question_id"]], ref, turn)
                 identity = (q["question_id"], model, (judge, template["name"]), turn, user_prompt)
@@ -578,9 +589,7 @@ def judge_pairwise(
     tasks = []
     for turn in (1, 2):
         for q in questions:
-            needs_ref = q["category"] in NEED_REF_CATS
-            template = prompts[PAIR_PROMPTS[needs_ref, turn == 2]]
-            ref = references.get(q["question_id"]) if needs_ref else None
+            template, ref = _template_and_reference(prompts, PAIR_PROMPTS, q, references, turn)
             a1, a2 = answers_1[q["question_id"]], answers_2[q["question_id"]]
             g1_prompt = pair_prompt(template, q, a1, a2, ref, turn)
             g2_prompt = pair_prompt(template, q, a2, a1, ref, turn)
