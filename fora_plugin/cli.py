@@ -187,6 +187,12 @@ def add_plan_parser(commands) -> None:
     command.add_argument("--gpu-memory", help="memory of one GPU in GiB, for the verdict (e.g. 80)")
     command.add_argument("--model-config", help="config.json of the model, when model_name_or_path has none here")
     command.add_argument("--output", help="folder for plan.json and plan.png (default: the config's output_dir)")
+    command.add_argument(
+        "--full-depth",
+        action="store_true",
+        help="run every decoder layer (default: a stack that repeats is run at three small depths and extrapolated, "
+        "checked to lie on one line)",
+    )
 
 
 def plan_command(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -207,7 +213,13 @@ def plan_command(args: argparse.Namespace, overrides: list[str]) -> int:
         if gpu_memory is None or not gpu_memory > 0 or gpu_memory == float("inf"):
             raise ValueError(f"--gpu-memory {args.gpu_memory}: give one GPU's memory in GiB, a number > 0 (e.g. 80).")
     text, payload = plan(
-        args.config, overrides, gpus=gpus, gpu_memory=gpu_memory, model_config=args.model_config, output=args.output
+        args.config,
+        overrides,
+        gpus=gpus,
+        gpu_memory=gpu_memory,
+        model_config=args.model_config,
+        output=args.output,
+        full_depth=args.full_depth,
     )
     print(text)
     out = Path(args.output) if args.output else Path(payload["output_dir"])

@@ -22,10 +22,36 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["LiveTensorTracker", "storage_bytes"]
 
+_DEVICE_QUERY = torch.ops.prim.device.default
+
 
 def storage_bytes(tensor: torch.Tensor) -> int:
     """Bytes of the storage under ``tensor`` (a view counts its whole base)."""
     return tensor.untyped_storage().nbytes()
+
+
+def _grouped_mm_flops(mat_a: torch.Tensor, mat_b: torch.Tensor, *args, out_val: torch.Tensor, **kwargs) -> int:
+    """One multiply-add per output element and contracted index. The groups (MoE experts) split one dimension,
+    so the total does not depend on how the tokens are routed."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:  # (M, K_total) x (K_total, N): the groups split K
+        return 2 * mat_a.shape[0] * mat_a.shape[1] * mat_b.shape[1]
+    return 2 * out_val.numel() * mat_a.shape[-1]  # K = mat_a's last dimension; the groups split M or N
+
+
+def flop_formulas() -> dict:
+    """``FlopCounterMode``'s formulas, plus the ops it has none for that FoRA's runs make: the grouped matmul of
+    MoE experts (``torch._grouped_mm``), and SDPA's CPU kernels (fake tensors on the CPU take them; on a GPU the
+    same attention is a flash/efficient kernel that ``FlopCounterMode`` counts, with the same formula)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    aten = torch.ops.aten
+    formulas = dict(FlopCounterMode(display=False).flop_registry)
+    formulas[aten._grouped_mm] = _grouped_mm_flops
+    formulas[aten._scaled_dot_product_flash_attention_for_cpu] = formulas[aten._scaled_dot_product_flash_attention]
+    formulas[aten._scaled_dot_product_flash_attention_for_cpu_backward] = formulas[
+        aten._scaled_dot_product_flash_attention_backward
+    ]
+    return formulas
 
 
 class LiveTensorTracker(TorchDispatchMode):
@@ -42,9 +68,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.flops = 0
         self._flop_formulas = None
         if count_flops:
-            from torch.utils.flop_counter import FlopCounterMode
-
-            self._flop_formulas = FlopCounterMode(display=False).flop_registry
+            self._flop_formulas = flop_formulas()
         self._live: dict[int, tuple[int, int]] = {}  # storage _cdata -> (uid, bytes)
         self._uids = itertools.count()
         self.current = 0
@@ -79,6 +103,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self.current -= entry[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE_QUERY:  # most calls on tensor subclasses (the autograd engine asks each input's device)
+            return func(*args)
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self._flop_formulas is not None:

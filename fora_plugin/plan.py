@@ -38,7 +38,8 @@ __all__ = ["MODES", "KINDS", "PlanSetup", "find_model_config", "plan_setup", "ru
 MODES = ("fora", "fg-lora", "lora")
 # The kinds a peak is broken into; "lora" is LoRA parameters + their gradients + optimizer states.
 KINDS = ("weights", "lora", "activations", "transient")
-LORA_PARTS = ("lora_params", "lora_grads", "optimizer_states")
+# "stiefel": FoRA's Stiefel lora_B gradients and everything Cayley-Adam keeps for them (ZeRO-1/2 replicate it).
+LORA_PARTS = ("lora_params", "lora_grads", "optimizer_states", "stiefel")
 GIB = 2**30
 MODEL_CONFIGS = Path(__file__).resolve().parent / "model_configs"
 # Hub names whose config.json ships with the package (model_configs/<folder>/config.json).
@@ -332,7 +333,8 @@ def _wrap_lora(setup: PlanSetup, base: nn.Module):
 
     from peft import get_peft_model
 
-    model = get_peft_model(base, copy.deepcopy(setup.lora))
+    with torch.device("meta"):  # adapters made on the host and moved would cost minutes at MoE scale
+        model = get_peft_model(base, copy.deepcopy(setup.lora))
     if setup.four_bit is not None:  # SFTTrainer casts a k-bit base's adapters to bf16 (QLoRA)
         for p in model.parameters():
             if p.requires_grad:
@@ -340,26 +342,31 @@ def _wrap_lora(setup: PlanSetup, base: nn.Module):
     return model
 
 
-def _plan_selection(setup: PlanSetup, model: nn.Module):
+def planned_layers(setup: PlanSetup, num_layers: int) -> list[int]:
     """The K layers planned for: the config's own (fora_layers) or, when scoring chooses them, every (L/K)-th from
     layer 0: the lowest layer adapted, so the backward runs through every layer, the most any K layers can need."""
-    from .fisher import FisherScores, find_decoder_layers
     from .selection import resolve_layer_budget
+
+    if setup.fora.layers is not None:
+        return sorted(setup.fora.layers)
+    k = resolve_layer_budget(setup.fora.layer_budget, num_layers)
+    return [round(i * num_layers / k) for i in range(k)]
+
+
+def _plan_selection(setup: PlanSetup, model: nn.Module, planned: list[int] | None = None):
+    """The selection of ``planned`` layers (default: :func:`planned_layers`) as the trainer would make it."""
+    from .fisher import find_decoder_layers
     from .wiring import choose_layers
 
     _, layers = find_decoder_layers(model)
-    num_layers = len(layers)
-    k = resolve_layer_budget(setup.fora.layer_budget, num_layers)
-    planned = [round(i * num_layers / k) for i in range(k)]
-    scores = [1.0 if i in planned else 0.0 for i in range(num_layers)]
+    planned = planned_layers(setup, len(layers)) if planned is None else planned
+    # A plan reads no scores file and scores nothing: the planned layers stand in for the run's choice.
+    fora = dataclasses.replace(setup.fora, layers=list(planned), scores_path=None)
 
-    def score() -> FisherScores:
-        return FisherScores(scores, 1, setup.fora.fisher_params, 0.0)
+    def unused_score():  # fora.layers is set: choose_layers never scores
+        raise RuntimeError("fora plan does not score to choose its layers")
 
-    fora = setup.fora
-    if fora.scores_path is not None:  # a plan reads no scores file: the planned layers stand in for its choice
-        fora = dataclasses.replace(fora, scores_path=None)
-    return choose_layers(model, fora, seed=0, checkpoint=None, score=score)
+    return choose_layers(model, fora, seed=0, checkpoint=None, score=unused_score)
 
 
 def _fakeify(model: nn.Module, fake_mode, device: torch.device) -> None:
@@ -447,8 +454,8 @@ class Phase:
 class _Kinds:
     """What each tracked storage is: uid -> kind."""
 
-    def __init__(self) -> None:
-        self.kind: dict[int, str] = {}
+    def __init__(self, kind: dict[int, str] | None = None) -> None:
+        self.kind: dict[int, str] = dict(kind or {})
 
     def mark(self, uids, kind: str) -> None:
         for uid in uids:
@@ -576,18 +583,28 @@ def _lora_optimizer(setup: PlanSetup, model: nn.Module):
     return cls([g for g in groups if g["params"]], **kwargs)
 
 
-def _step_phases(setup: PlanSetup, modes: tuple[str, ...], fake_mode, device: torch.device) -> dict[str, Phase]:
-    """One training step for each of ``modes``, which share their LoRA layers (fora and fg-lora: the K chosen
-    layers; lora: all): one forward and backward, then each mode's optimizer step with its states."""
+def _step_phases(
+    setup: PlanSetup, modes: tuple[str, ...], fake_mode, device: torch.device, planned: list[int]
+) -> dict[str, list[Phase]]:
+    """One training step for each of ``modes``, which share their LoRA layers (fora and fg-lora: the ``planned``
+    layers; lora: all): one forward and backward, then each mode's optimizer step with its states.
+
+    Each mode gets two candidates for its steady peak (the larger is the step's): from the second step on the states
+    live through the forward and backward, so the forward/backward peak plus the states, and the optimizer step's
+    own peak. They are kept apart so that each can be extrapolated over depth on its own.
+    """
+    from .config import MODE_PARTS
     from .trainer import fora_optimizer
     from .wiring import readapt_lora
 
     model = _wrap_lora(setup, _meta_model(setup))
     fora_modes = [m for m in modes if m != "lora"]
     if fora_modes:
-        # make_stiefel for fora; fg-lora's lora_B are the same shapes, only its optimizer differs.
+        # make_stiefel for fora; fg-lora's lora_B are the same shapes, only its optimizer differs (AdamW, as
+        # fora_optimizer builds it for that mode).
         fora = dataclasses.replace(setup.fora, mode=fora_modes[0], scores_path=None)
-        readapt_lora(model, _plan_selection(setup, model.get_base_model()), fora, seed=0)
+        with torch.device("meta"):
+            readapt_lora(model, _plan_selection(setup, model.get_base_model(), planned), fora, seed=0)
     with fake_mode:
         linears = _prepare(setup, model, fake_mode, device)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -604,7 +621,9 @@ def _step_phases(setup: PlanSetup, modes: tuple[str, ...], fake_mode, device: to
             backward_peak = tracker.peak_live()
             backward_flops = tracker.flops
             phases = {}
-            for mode in modes:
+            # Modes without Stiefel lora_B first: Cayley-Adam's step leaves each lora_B a view into its stacked
+            # buffer, which would stay alive through a later mode's step.
+            for mode in sorted(modes, key=lambda m: MODE_PARTS[m][1]):
                 if mode == "lora":
                     optimizer = _lora_optimizer(setup, model)
                 else:
@@ -613,24 +632,27 @@ def _step_phases(setup: PlanSetup, modes: tuple[str, ...], fake_mode, device: to
                     )
                 tracker.reset_peak()
                 flops = tracker.flops
+                before = tracker.live()
                 optimizer.step()
-                states = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-                state_uids = tracker.uids(states)
-                kinds.mark(state_uids, "optimizer_states")
-                live = tracker.live()
-                state_live = {u: b for u, b in live.items() if u in state_uids}
-                # From the second step on the states live through the forward and backward: the steady peak is
-                # the larger of the forward/backward peak plus the states and the optimizer step's own peak.
-                peak_live = tracker.peak_live()
-                if sum(backward_peak.values()) + sum(state_live.values()) > sum(peak_live.values()):
-                    peak_live = {**backward_peak, **state_live}
-                phase = Phase(
-                    peak=_peak(tracker, kinds, peak_live),
-                    flops=backward_flops + tracker.flops - flops,
-                    trainable=trainable,
+                stiefel = {id(p) for g in optimizer.param_groups if g.get("stiefel") for p in g["params"]}
+                states = {
+                    id(p): [t for t in s.values() if isinstance(t, torch.Tensor)] for p, s in optimizer.state.items()
+                }
+                euclidean_uids = tracker.uids(t for i, ts in states.items() if i not in stiefel for t in ts)
+                kinds.mark(euclidean_uids, "optimizer_states")
+                # What the step left alive is the optimizer's to keep (Cayley-Adam's stacked buffers are not all
+                # in `state`); beside the AdamW states, it is the Stiefel part, with the lora_B gradients.
+                kept = {u: b for u, b in tracker.live().items() if u not in before or u in euclidean_uids}
+                stiefel_uids = (set(kept) - euclidean_uids) | tracker.uids(
+                    p.grad for p in model.parameters() if id(p) in stiefel and p.grad is not None
                 )
-                phases[mode] = phase
-                del states, state_live, live
+                kind = _Kinds({**kinds.kind, **dict.fromkeys(stiefel_uids, "stiefel")})
+                flops = backward_flops + tracker.flops - flops
+                phases[mode] = [
+                    Phase(_peak(tracker, kind, {**backward_peak, **kept}), flops, trainable),
+                    Phase(_peak(tracker, kind, tracker.peak_live()), flops, trainable),
+                ]
+                del states, kept
                 optimizer.state.clear()  # the next mode's optimizer starts from no state
                 del optimizer
     return phases
@@ -651,23 +673,21 @@ _FAKE_READBACK_ERRORS = _fake_readback_errors()
 
 
 # ------------------------------------------------------------------------------------------------------ sharding
-def _shard(setup: PlanSetup, phase: Phase, scoring: bool, mode: str) -> tuple[Phase, str | None]:
+def _shard(setup: PlanSetup, phase: Phase, scoring: bool) -> tuple[Phase, list[str]]:
     """Per-GPU bytes under a sharded engine: what it shards divided by the number of GPUs (said in the output)."""
     w = setup.gpus
     engine = setup.engine
     if engine in ("single", "ddp") or w == 1:
-        return phase, None
+        return phase, []
     sharded: tuple[str, ...] = ()
     if engine == "zero1":
         sharded = ("optimizer_states",)
     elif engine == "zero2":
         sharded = ("optimizer_states", "lora_grads")
-    elif engine == "zero3":
-        sharded = ("weights", "lora_params", "optimizer_states", "lora_grads")
-    elif engine == "fsdp2" and not scoring:
-        sharded = ("weights", "lora_params", "optimizer_states", "lora_grads")
+    elif engine == "zero3" or (engine == "fsdp2" and not scoring):
+        sharded = ("weights", "lora_params", "optimizer_states", "lora_grads", "stiefel")
     if not sharded:
-        return phase, f"{engine}: scoring holds the whole model on every GPU (before sharding)"
+        return phase, [f"{engine}: scoring holds the whole model on every GPU (before sharding)"]
     peak = {k: (math.ceil(v / w) if k in sharded else v) for k, v in phase.peak.items()}
     note = f"{engine} over {w} GPUs: {', '.join(sharded)} divided by {w} (computed, not simulated ranks)"
     if "weights" in sharded:
@@ -675,9 +695,10 @@ def _shard(setup: PlanSetup, phase: Phase, scoring: bool, mode: str) -> tuple[Ph
         layer, head = _gathered_bytes(setup)
         peak["transient"] = peak.get("transient", 0) + 2 * layer + head
         note += f"; + two gathered decoder layers and the head ({(2 * layer + head) / GIB:.2f} GiB) as transient"
-    if engine in ("zero1", "zero2"):
-        note += " (fora's Stiefel lora_B states are kept whole on every rank: divided here, a small under-count)"
-    return dataclasses.replace(phase, peak=peak), note
+    notes = [note]
+    if engine in ("zero1", "zero2") and phase.peak.get("stiefel"):
+        notes.append(f"{engine}: fora's Stiefel lora_B gradients and Cayley-Adam states are whole on every GPU")
+    return dataclasses.replace(phase, peak=peak), notes
 
 
 def _gathered_bytes(setup: PlanSetup) -> tuple[int, int]:
@@ -696,37 +717,152 @@ def _gathered_bytes(setup: PlanSetup) -> tuple[int, int]:
     return layer, sum(size(p) for p in head.parameters()) if head is not None else 0
 
 
+# --------------------------------------------------------------------------------------------------------- depth
+# A stack that repeats every p layers is run at depths p, 2p and 3p and extrapolated to its L layers when that runs
+# fewer layers than L itself: every byte count and FLOP count of the three runs must lie on one line (they do when
+# the peak falls at the same point of the run at each depth), or the plan runs all L layers.
+_DEPTH_MULTIPLES = (1, 2, 3)
+
+
+def _layer_signatures(model: nn.Module, planned: list[int]) -> list[tuple]:
+    """What makes decoder layers differ: their modules, parameter shapes and dtypes, attention kind, and whether
+    fora adapts them."""
+    from .fisher import find_decoder_layers
+
+    _, layers = find_decoder_layers(model)
+    chosen = set(planned)
+    signatures = []
+    for i, layer in enumerate(layers):
+        modules = tuple(
+            (name, type(m).__name__, *(repr(getattr(m, a, None)) for a in ("sliding_window", "attention_type")))
+            for name, m in layer.named_modules()
+        )
+        tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in [*layer.named_parameters(), *layer.named_buffers()])
+        signatures.append((modules, tensors, i in chosen))
+    return signatures
+
+
+def extrapolation_depths(model: nn.Module, planned: list[int]) -> tuple[int, ...] | None:
+    """The depths to run and extrapolate from (p, 2p, 3p for a stack repeating every p layers), or None when the
+    stack does not repeat or running them would not be faster than running all its layers."""
+    signatures = _layer_signatures(model, planned)
+    num_layers = len(signatures)
+    for period in range(1, num_layers + 1):
+        if num_layers % period == 0 and all(s == signatures[i % period] for i, s in enumerate(signatures)):
+            break
+    depths = tuple(m * period for m in _DEPTH_MULTIPLES)
+    return depths if depths[-1] <= num_layers and _saves_time(depths, num_layers) else None
+
+
+def _saves_time(depths: tuple[int, ...], num_layers: int) -> bool:
+    return sum(depths) < num_layers
+
+
+def truncated_config(config, num_layers: int):
+    """``config`` with its first ``num_layers`` decoder layers: per-layer lists (layer_types, ...) cut to match."""
+    import copy
+
+    full = config.num_hidden_layers
+    out = copy.deepcopy(config)
+    for name, value in vars(config).items():
+        if isinstance(value, (list, tuple)) and len(value) == full:
+            setattr(out, name, type(value)(value[:num_layers]))
+    out.num_hidden_layers = num_layers
+    return out
+
+
+def _extrapolate(runs: list[dict[str, list[Phase]]], depths: tuple[int, ...], num_layers: int):
+    """Each phase at ``num_layers`` layers from its values at ``depths``, if they lie on a line; else the first
+    quantity that does not (a description) in place of the result."""
+    step = depths[1] - depths[0]
+    out: dict[str, list[Phase]] = {}
+    for key, candidates in runs[0].items():
+        out[key] = []
+        for index in range(len(candidates)):
+            at = [run[key][index] for run in runs]
+            values = {f"{part} bytes": [p.peak.get(part, 0) for p in at] for part in {k for p in at for k in p.peak}}
+            values["FLOPs"] = [p.flops for p in at]
+            values["trainable parameters"] = [p.trainable for p in at]
+            line = {}
+            for name, v in values.items():
+                slopes = {b - a for a, b in zip(v, v[1:])}
+                if len(slopes) != 1:
+                    return f"{key}: {name} at {depths} layers is {v}, not on a line"
+                line[name] = v[0] + (num_layers - depths[0]) // step * slopes.pop()
+            peak = {name.removesuffix(" bytes"): v for name, v in line.items() if name.endswith(" bytes") and v}
+            out[key].append(Phase(peak=peak, flops=line["FLOPs"], trainable=line["trainable parameters"]))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------- run
-def run_plan(setup: PlanSetup, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
-    """Scoring and one step per mode on fake tensors; per-GPU peaks by kind, FLOPs, trainable parameters."""
+def _measure(setup: PlanSetup, modes: tuple[str, ...], planned: list[int], scoring: bool) -> dict[str, list[Phase]]:
+    """Scoring (if ``scoring``) and one step per mode at ``setup``'s depth; per key, the candidates for its peak."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    started = time.perf_counter()
     device = torch.device("cpu")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    result: dict[str, Any] = {"phases": {}, "notes": list(setup.notes)}
-    scoring = None
-    if any(m != "lora" for m in modes) and setup.fora.selects_layers and setup.fora.layers is None:
-        if setup.fora.scores_path is None and setup.fora.layer_strategy == "fisher":
-            scoring = _scoring_phase(setup, fake_mode, device)
-    steps: dict[str, Phase] = {}
+    out: dict[str, list[Phase]] = {}
+    if scoring:
+        out["scoring"] = [_scoring_phase(setup, fake_mode, device)]
     fora_modes = tuple(m for m in modes if m != "lora")
     if fora_modes:
-        steps.update(_step_phases(setup, fora_modes, fake_mode, device))
+        out.update(_step_phases(setup, fora_modes, fake_mode, device, planned))
     if "lora" in modes:
-        steps.update(_step_phases(setup, ("lora",), fake_mode, device))
+        out.update(_step_phases(setup, ("lora",), fake_mode, device, planned))
+    return out
+
+
+def run_plan(setup: PlanSetup, modes: tuple[str, ...] = MODES, *, full_depth: bool = False) -> dict[str, Any]:
+    """Scoring and one step per mode on fake tensors; per-GPU peaks by kind, FLOPs, trainable parameters.
+
+    A stack that repeats is run at three small depths and extrapolated (see :func:`extrapolation_depths`), unless
+    ``full_depth``; the output says which.
+    """
+    started = time.perf_counter()
+    result: dict[str, Any] = {"phases": {}, "notes": list(setup.notes)}
+    scoring = (
+        any(m != "lora" for m in modes)
+        and setup.fora.selects_layers
+        and setup.fora.layers is None
+        and setup.fora.scores_path is None
+        and setup.fora.layer_strategy == "fisher"
+    )
+    num_layers = setup.model_config.num_hidden_layers
+    planned = planned_layers(setup, num_layers)
+    depths = None if full_depth else extrapolation_depths(_meta_model(setup), planned)
+    measured = None
+    if depths is not None:
+        runs = [
+            _measure(
+                dataclasses.replace(setup, model_config=truncated_config(setup.model_config, d)),
+                modes,
+                [layer for layer in planned if layer < d],
+                scoring,
+            )
+            for d in depths
+        ]
+        measured = _extrapolate(runs, depths, num_layers)
+        if isinstance(measured, str):
+            result["notes"].append(f"depth extrapolation did not hold ({measured}): ran all {num_layers} layers")
+            measured = depths = None
+        else:
+            result["notes"].append(
+                f"the {num_layers} decoder layers repeat every {depths[0]}: ran {', '.join(map(str, depths))} of "
+                f"them and extrapolated (every count on one line; --full-depth runs all {num_layers})"
+            )
+    if measured is None:
+        measured = _measure(setup, modes, planned, scoring)
+    result["depths"] = list(depths) if depths is not None else [num_layers]
     for mode in modes:
         entry: dict[str, Any] = {}
-        if scoring is not None and mode != "lora":
-            shard, note = _shard(setup, scoring, True, mode)
-            entry["scoring"] = shard
-            if note and note not in result["notes"]:
-                result["notes"].append(note)
-        shard, note = _shard(setup, steps[mode], False, mode)
-        entry["step"] = shard
-        if note and note not in result["notes"]:
-            result["notes"].append(note)
+        phases = {"scoring": measured["scoring"]} if "scoring" in measured and mode != "lora" else {}
+        for name, candidates in {**phases, "step": measured[mode]}.items():
+            # The per-GPU peak is the larger candidate once each is sharded.
+            sharded = [_shard(setup, phase, name == "scoring") for phase in candidates]
+            entry[name] = max((phase for phase, _ in sharded), key=lambda phase: phase.total)
+            notes = [note for _, notes in sharded for note in notes]
+            result["notes"] += [note for note in dict.fromkeys(notes) if note not in result["notes"]]
         result["phases"][mode] = entry
     result["seconds"] = time.perf_counter() - started
     return result
@@ -867,6 +1003,7 @@ def plan_json(setup: PlanSetup, result: dict[str, Any], gpu_memory: float | None
         "phases": phases,
         "notes": result["notes"],
         "verdict": verdict(setup, result, gpu_memory),
+        "depths_run": result["depths"],
         "seconds": result["seconds"],
     }
 
@@ -906,10 +1043,11 @@ def plan(
     gpu_memory: float | None = None,
     model_config: str | None = None,
     output: str | None = None,
+    full_depth: bool = False,
 ) -> tuple[str, dict[str, Any]]:
     """`fora plan`: the printed table and plan.json's content; writes plan.json and plan.png into the output dir."""
     setup = plan_setup(config, overrides, gpus=gpus, model_config=model_config, output=output)
-    result = run_plan(setup)
+    result = run_plan(setup, full_depth=full_depth)
     text = format_plan(setup, result, gpu_memory)
     payload = plan_json(setup, result, gpu_memory)
     setup.output_dir.mkdir(parents=True, exist_ok=True)

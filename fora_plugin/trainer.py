@@ -232,6 +232,8 @@ def fora_optimizer(
         cayley_iters=fora.cayley_iters,
         decay_parameter_names=trainer.get_decay_parameter_names(model),
         fused=True if args.optim == "adamw_torch_fused" else None,
+        # The mode decides: a mode without Stiefel lora_B steps them by AdamW even where they carry the mark.
+        **({} if fora.uses_stiefel else {"stiefel_params": ()}),
     )
 
 

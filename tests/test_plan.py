@@ -7,10 +7,11 @@ import torch
 import yaml
 from peft import LoraConfig, get_peft_model
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, T5Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, T5Config
 
+from fora_plugin import plan as plan_module
 from fora_plugin.cli import main
-from fora_plugin.memory import LiveTensorTracker
+from fora_plugin.memory import LiveTensorTracker, flop_formulas
 from fora_plugin.plan import (
     BUNDLED_MODEL_CONFIGS,
     MODEL_CONFIGS,
@@ -18,6 +19,7 @@ from fora_plugin.plan import (
     kinds_of,
     plan_setup,
     run_plan,
+    truncated_config,
 )
 
 
@@ -132,7 +134,9 @@ def _real_step_peak(checkpointing: bool) -> tuple[int, int]:
             del loss
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    with FlopCounterMode(display=False) as flops:
+    flops = FlopCounterMode(display=False)
+    flops.flop_registry = flop_formulas()  # + the CPU attention kernel's FLOPs (tests/test_memory.py checks them)
+    with flops:
         loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
         loss.backward()
     return tracker.peak, flops.get_total_flops()
@@ -205,3 +209,115 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
     _bad(["plan", config, "--deepspeed", str(ds)], capsys, "zero_optimization.stage=0")
     fsdp = write_config(tmp_path, fsdp="full_shard", fsdp_config={"version": 1})
     _bad(["plan", fsdp, "--gpus", "8"], capsys, "FSDP1")
+
+
+# ------------------------------------------------------------------------------------------- depth extrapolation
+def _counts(result) -> dict:
+    return {
+        (mode, name): (phase.peak, phase.flops, phase.trainable)
+        for mode, entry in result["phases"].items()
+        for name, phase in entry.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "keys, gpus",
+    [
+        ({"dtype": "float32", "activation_checkpointing": False}, 1),
+        ({"dtype": "bfloat16", "bf16": True, "activation_checkpointing": True}, 1),
+        ({"dtype": "bfloat16", "bf16": True, "load_in_4bit": True, "use_bnb_nested_quant": True}, 1),
+        ({"dtype": "bfloat16", "bf16": True, "deepspeed": "zero3"}, 4),
+    ],
+    ids=["fp32", "bf16-checkpointing", "4bit", "zero3"],
+)
+def test_depth_extrapolation_gives_the_counts_of_running_every_layer(tmp_path, monkeypatch, keys, gpus):
+    """8 layers, fora on every 2nd: run at depths 2, 4, 6 and extrapolated to 8, against all 8 layers run."""
+    monkeypatch.setattr(plan_module, "_saves_time", lambda depths, num_layers: True)
+    model_dir = tmp_path / "model"
+    config = tiny_config()
+    config.num_hidden_layers = 8
+    config.save_pretrained(model_dir)
+    if keys.get("deepspeed") == "zero3":
+        zero3 = tmp_path / "zero3.json"
+        zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}))
+        keys = {**keys, "deepspeed": str(zero3)}
+    setup = plan_setup(write_config(tmp_path, **keys), [], gpus=gpus)
+    extrapolated = run_plan(setup)
+    assert extrapolated["depths"] == [2, 4, 6]
+    assert any("repeat every 2" in note for note in extrapolated["notes"])
+    full = run_plan(setup, full_depth=True)
+    assert full["depths"] == [8]
+    assert _counts(extrapolated) == _counts(full)
+
+
+def test_a_stack_that_does_not_repeat_runs_every_layer(tmp_path):
+    # LoRA on the top half: layers 0-7 and 8-15 differ, no period shorter than the stack.
+    model_dir = tmp_path / "model"
+    config = tiny_config()
+    config.num_hidden_layers = 16
+    config.save_pretrained(model_dir)
+    setup = plan_setup(write_config(tmp_path, fora_layers=list(range(8, 16))), [])
+    base = plan_module._meta_model(setup)
+    assert plan_module.extrapolation_depths(base, plan_module.planned_layers(setup, 16)) is None
+    # Every 2nd layer repeats with period 2; 2 + 4 + 6 = 12 layers run instead of 16.
+    setup = plan_setup(write_config(tmp_path, fora_layers=list(range(0, 16, 2))), [])
+    assert plan_module.extrapolation_depths(base, plan_module.planned_layers(setup, 16)) == (2, 4, 6)
+
+
+def test_gemma3_layer_pattern_sets_the_period_and_truncation_keeps_it(monkeypatch):
+    """Gemma-3's 5 sliding + 1 full attention layers repeat every 6: its layer_types are cut with the stack."""
+    setup_config = AutoConfig.from_pretrained(MODEL_CONFIGS / "gemma-3-270m")
+    short = truncated_config(setup_config, 6)
+    assert short.num_hidden_layers == 6 and short.layer_types == setup_config.layer_types[:6]
+    assert setup_config.num_hidden_layers == 18  # the original is untouched
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(setup_config)
+    signatures = plan_module._layer_signatures(model, planned=list(range(0, 18, 2)))
+    assert signatures[:6] == signatures[6:12] == signatures[12:]
+    # (sliding, adapted), (sliding, not) and the 6th layer's full attention (not adapted).
+    assert len(set(signatures[:6])) == 3 and signatures[5] != signatures[3]
+    planned = list(range(0, 18, 2))
+    assert plan_module.extrapolation_depths(model, planned) is None  # 6 + 12 + 18 layers: slower than 18
+    monkeypatch.setattr(plan_module, "_saves_time", lambda depths, num_layers: True)
+    assert plan_module.extrapolation_depths(model, planned) == (6, 12, 18)
+
+
+def test_counts_off_a_line_are_named_and_the_plan_runs_every_layer(tmp_path, monkeypatch):
+    a, b = plan_module.Phase({"activations": 10}, 100, 5), plan_module.Phase({"activations": 20}, 200, 10)
+    on_line = plan_module._extrapolate(
+        [{"k": [a]}, {"k": [b]}, {"k": [plan_module.Phase({"activations": 30}, 300, 15)]}], (2, 4, 6), 32
+    )
+    assert on_line["k"][0] == plan_module.Phase({"activations": 160}, 1600, 80)
+    off = plan_module._extrapolate(
+        [{"k": [a]}, {"k": [b]}, {"k": [plan_module.Phase({"activations": 31}, 300, 15)]}], (2, 4, 6), 32
+    )
+    assert off == "k: activations bytes at (2, 4, 6) layers is [10, 20, 31], not on a line"
+
+    monkeypatch.setattr(plan_module, "_saves_time", lambda depths, num_layers: True)
+    monkeypatch.setattr(plan_module, "_extrapolate", lambda runs, depths, num_layers: "scoring: FLOPs off")
+    config = tiny_config()
+    config.num_hidden_layers = 6
+    config.save_pretrained(tmp_path / "model")
+    result = run_plan(plan_setup(write_config(tmp_path), []), modes=("lora",))
+    assert result["depths"] == [6]
+    assert any("did not hold (scoring: FLOPs off): ran all 6 layers" in note for note in result["notes"])
+
+
+def test_zero2_keeps_the_stiefel_part_whole_on_every_gpu(tmp_path):
+    """ZeRO-1/2 partition AdamW's states and gradients; FoRA's Stiefel lora_B and their Cayley-Adam state stay
+    whole on every rank (zero.py), so the plan divides the one and not the other."""
+    config = write_config(tmp_path, dtype="float32")
+    single = run_plan(plan_setup(config, []), modes=("fora", "fg-lora"))["phases"]
+    zero2 = tmp_path / "zero2.json"
+    zero2.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    result = run_plan(plan_setup(config, ["--deepspeed", str(zero2)], gpus=4), modes=("fora", "fg-lora"))
+    fora, one = result["phases"]["fora"]["step"].peak, single["fora"]["step"].peak
+    # Per Stiefel lora_B (d_out x r 4, fp32): Cayley-Adam's two stacked (d_out, 2r) buffers of [B, m], at least.
+    d_out = (HIDDEN + 2 * KV_HEADS * HIDDEN // HEADS + INTERMEDIATE + HIDDEN) * (LAYERS // 2)
+    assert fora["stiefel"] == one["stiefel"] >= 2 * d_out * 2 * 4 * 4
+    assert fora["optimizer_states"] == -(-one["optimizer_states"] // 4)  # lora_A's AdamW states
+    assert "stiefel" not in result["phases"]["fg-lora"]["step"].peak  # AdamW on lora_B: all partitioned
+    # fg-lora shares fora's forward and backward, not its optimizer: planned beside fora or alone, the same step.
+    alone = run_plan(plan_setup(config, []), modes=("fg-lora",))["phases"]["fg-lora"]["step"]
+    assert single["fg-lora"]["step"] == alone != single["fora"]["step"]
+    assert any("Stiefel lora_B gradients and Cayley-Adam states are whole" in note for note in result["notes"])
