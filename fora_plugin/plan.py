@@ -692,17 +692,21 @@ def _shard(setup: PlanSetup, phase: Phase, scoring: bool) -> tuple[Phase, list[s
     note = f"{engine} over {w} GPUs: {', '.join(sharded)} divided by {w} (computed, not simulated ranks)"
     if "weights" in sharded:
         # Gathered while computing: the current and the prefetched decoder layer, and the output head.
-        layer, head = _gathered_bytes(setup)
-        peak["transient"] = peak.get("transient", 0) + 2 * layer + head
-        note += f"; + two gathered decoder layers and the head ({(2 * layer + head) / GIB:.2f} GiB) as transient"
+        layer, head, root = _gathered_bytes(setup)
+        # FSDP2 keeps the root module (embeddings, final norm, head) gathered from its forward to its backward
+        # (fully_shard's root does not reshard after forward); ZeRO-3 gathers the head for the loss.
+        extra, what = (root, "the root (embeddings, norm, head)") if engine == "fsdp2" else (head, "the head")
+        peak["transient"] = peak.get("transient", 0) + 2 * layer + extra
+        note += f"; + {(2 * layer + extra) / GIB:.2f} GiB transient: two gathered decoder layers and {what}"
     notes = [note]
     if engine in ("zero1", "zero2") and phase.peak.get("stiefel"):
         notes.append(f"{engine}: fora's Stiefel lora_B gradients and Cayley-Adam states are whole on every GPU")
     return dataclasses.replace(phase, peak=peak), notes
 
 
-def _gathered_bytes(setup: PlanSetup) -> tuple[int, int]:
-    """Bytes of the largest decoder layer's weights (4-bit packed where the run quantizes) and of the output head."""
+def _gathered_bytes(setup: PlanSetup) -> tuple[int, int, int]:
+    """Bytes of the largest decoder layer's weights (4-bit packed where the run quantizes), of the output head, and
+    of every weight outside the decoder layers (embeddings, final norm, head; tied ones once)."""
     from .fisher import find_decoder_layers
 
     model = _meta_model(setup)
@@ -714,7 +718,9 @@ def _gathered_bytes(setup: PlanSetup) -> tuple[int, int]:
     _, layers = find_decoder_layers(model)
     layer = max(sum(size(p) for p in block.parameters()) for block in layers)
     head = model.get_output_embeddings()
-    return layer, sum(size(p) for p in head.parameters()) if head is not None else 0
+    in_layers = {id(p) for block in layers for p in block.parameters()}
+    root = sum(size(p) for p in model.parameters() if id(p) not in in_layers)  # parameters() yields tied ones once
+    return layer, sum(size(p) for p in head.parameters()) if head is not None else 0, root
 
 
 # --------------------------------------------------------------------------------------------------------- depth
@@ -725,11 +731,16 @@ _DEPTH_MULTIPLES = (1, 2, 3)
 
 
 def _layer_signatures(model: nn.Module, planned: list[int]) -> list[tuple]:
-    """What makes decoder layers differ: their modules, parameter shapes and dtypes, attention kind, and whether
-    fora adapts them."""
+    """What makes decoder layers differ: their modules, parameter shapes and dtypes, attention kind, their entries in
+    the config's per-layer lists (layer_types, no_rope_layers, ...), and whether fora adapts them."""
     from .fisher import find_decoder_layers
 
     _, layers = find_decoder_layers(model)
+    per_layer = {
+        name: value
+        for name, value in vars(model.config).items()
+        if isinstance(value, (list, tuple)) and len(value) == len(layers)
+    }
     chosen = set(planned)
     signatures = []
     for i, layer in enumerate(layers):
@@ -738,7 +749,8 @@ def _layer_signatures(model: nn.Module, planned: list[int]) -> list[tuple]:
             for name, m in layer.named_modules()
         )
         tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in [*layer.named_parameters(), *layer.named_buffers()])
-        signatures.append((modules, tensors, i in chosen))
+        listed = tuple((name, repr(value[i])) for name, value in per_layer.items())
+        signatures.append((modules, tensors, listed, i in chosen))
     return signatures
 
 
@@ -828,9 +840,16 @@ def run_plan(setup: PlanSetup, modes: tuple[str, ...] = MODES, *, full_depth: bo
         and setup.fora.scores_path is None
         and setup.fora.layer_strategy == "fisher"
     )
-    num_layers = setup.model_config.num_hidden_layers
+    from .fisher import find_decoder_layers
+
+    base = _meta_model(setup)
+    num_layers = len(find_decoder_layers(base)[1])
     planned = planned_layers(setup, num_layers)
-    depths = None if full_depth else extrapolation_depths(_meta_model(setup), planned)
+    depths = None
+    # A config whose layer count is not num_hidden_layers (a nested text config) cannot be cut: all layers run.
+    if not full_depth and getattr(setup.model_config, "num_hidden_layers", None) == num_layers:
+        depths = extrapolation_depths(base, planned)
+    del base
     measured = None
     if depths is not None:
         runs = [

@@ -321,3 +321,20 @@ def test_zero2_keeps_the_stiefel_part_whole_on_every_gpu(tmp_path):
     alone = run_plan(plan_setup(config, []), modes=("fg-lora",))["phases"]["fg-lora"]["step"]
     assert single["fg-lora"]["step"] == alone != single["fora"]["step"]
     assert any("Stiefel lora_B gradients and Cayley-Adam states are whole" in note for note in result["notes"])
+
+
+def test_fsdp2_adds_the_unsharded_root_to_two_gathered_layers(tmp_path):
+    """FSDP2's root (embeddings, final norm, head) stays gathered from forward to backward: bench/
+    plan_fsdp2_simulation.py measured it under fully_shard on a fake process group (the plan had missed the
+    embeddings: 7% under at 8B)."""
+    config = write_config(tmp_path, dtype="bfloat16")
+    single = run_plan(plan_setup(config, []), modes=("lora",))["phases"]["lora"]["step"]
+    fsdp = ["--fsdp", "full_shard", "--fsdp_config", json.dumps({"version": 2})]
+    result = run_plan(plan_setup(config, fsdp, gpus=4), modes=("lora",))
+    sharded = result["phases"]["lora"]["step"]
+    kv = KV_HEADS * HIDDEN // HEADS
+    layer = 2 * (2 * HIDDEN * HIDDEN + 2 * HIDDEN * kv + 3 * HIDDEN * INTERMEDIATE + 2 * HIDDEN)
+    root = 2 * (VOCAB * HIDDEN + HIDDEN + VOCAB * HIDDEN)  # embeddings, final norm, head (untied), bf16
+    assert sharded.peak["transient"] == single.peak["transient"] + 2 * layer + root
+    assert sharded.peak["weights"] == -(-single.peak["weights"] // 4)
+    assert any("the root (embeddings, norm, head)" in note for note in result["notes"])
