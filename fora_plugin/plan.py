@@ -801,6 +801,8 @@ def _extrapolate(runs: list[dict[str, list[Phase]]], depths: tuple[int, ...], nu
                 if len(slopes) != 1:
                     return f"{key}: {name} at {depths} layers is {v}, not on a line"
                 line[name] = v[0] + (num_layers - depths[0]) // step * slopes.pop()
+                if line[name] < 0:
+                    return f"{key}: {name} at {depths} layers is {v}, which falls below 0 at {num_layers}"
             peak = {name.removesuffix(" bytes"): v for name, v in line.items() if name.endswith(" bytes") and v}
             out[key].append(Phase(peak=peak, flops=line["FLOPs"], trainable=line["trainable parameters"]))
     return out

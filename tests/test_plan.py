@@ -164,6 +164,7 @@ def test_plan_command_writes_json_and_png_and_names_the_fix(tmp_path, capsys):
     assert "does not fit" in printed and "activation_checkpointing: true" in printed
     payload = json.loads((out / "plan.json").read_text())
     assert payload["batch_size"] == 16  # the override applied
+    assert payload["depths_run"] == [LAYERS]  # 4 layers: fewer than 2 + 4 + 6, all run
     assert set(payload["phases"]) == {"fora", "fg-lora", "lora"}
     assert (out / "plan.png").stat().st_size > 0
 
@@ -292,6 +293,8 @@ def test_counts_off_a_line_are_named_and_the_plan_runs_every_layer(tmp_path, mon
         [{"k": [a]}, {"k": [b]}, {"k": [plan_module.Phase({"activations": 31}, 300, 15)]}], (2, 4, 6), 32
     )
     assert off == "k: activations bytes at (2, 4, 6) layers is [10, 20, 31], not on a line"
+    falling = [{"k": [plan_module.Phase({"activations": b}, 100, 5)]} for b in (30, 20, 10)]
+    assert "falls below 0 at 32" in plan_module._extrapolate(falling, (2, 4, 6), 32)
 
     monkeypatch.setattr(plan_module, "_saves_time", lambda depths, num_layers: True)
     monkeypatch.setattr(plan_module, "_extrapolate", lambda runs, depths, num_layers: "scoring: FLOPs off")
@@ -338,3 +341,16 @@ def test_fsdp2_adds_the_unsharded_root_to_two_gathered_layers(tmp_path):
     assert sharded.peak["transient"] == single.peak["transient"] + 2 * layer + root
     assert sharded.peak["weights"] == -(-single.peak["weights"] // 4)
     assert any("the root (embeddings, norm, head)" in note for note in result["notes"])
+
+
+def test_full_depth_flag_reaches_the_plan(tmp_path, monkeypatch, capsys):
+    seen = {}
+
+    def fake_plan(config, overrides, **kwargs):
+        seen.update(kwargs)
+        return "planned", {"output_dir": str(tmp_path)}
+
+    monkeypatch.setattr(plan_module, "plan", fake_plan)
+    config = write_config(tmp_path)
+    assert main(["plan", config, "--full-depth"]) == 0 and seen["full_depth"] is True
+    assert main(["plan", config]) == 0 and seen["full_depth"] is False
