@@ -103,7 +103,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.current -= entry[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE_QUERY:  # most calls on tensor subclasses (the autograd engine asks each input's device)
+        if func is _DEVICE_QUERY:  # most calls on fake tensors (autograd asks each input's device): kept cheap
             return func(*args)
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

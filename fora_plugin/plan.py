@@ -8,6 +8,9 @@ it (LoRA on every target layer, adapters off), and one training step per mode (`
 forward and backward with the run's checkpointing and autocast, and the optimizer step with its states (FoRA's
 optimizer as :func:`fora_plugin.trainer.fora_optimizer` builds it, the Trainer's AdamW for ``lora``).
 
+A decoder stack that repeats every p layers is run at p, 2p and 3p layers and extrapolated to its L layers when every
+count lies exactly on one line (:func:`extrapolation_depths`); else, or with ``full_depth``, all L layers run.
+
 A :class:`~fora_plugin.memory.LiveTensorTracker` counts live storages; its peak is broken down into weights, LoRA
 (parameters, gradients, optimizer states), activations (what the forward left alive for the backward) and
 transient buffers. ``torch.utils.flop_counter.FlopCounterMode`` counts FLOPs.
@@ -15,7 +18,8 @@ transient buffers. ``torch.utils.flop_counter.FlopCounterMode`` counts FLOPs.
 What is modelled rather than run: a 4-bit bitsandbytes base is a bf16 linear scored and trained the way
 bitsandbytes' are (no weight gradient; fisher.py scores it from x and g), counted at its packed size (NF4 plus
 absmax constants) with one dequantized weight alive during its matmul; sharded engines (ZeRO-1/2/3, FSDP2) divide
-what they shard by the number of GPUs (the output says so).
+what they shard by the number of GPUs (the output says so; bench/plan_fsdp2_simulation.py checks FSDP2's against
+``fully_shard`` on a fake process group).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ __all__ = ["MODES", "KINDS", "PlanSetup", "find_model_config", "plan_setup", "ru
 MODES = ("fora", "fg-lora", "lora")
 # The kinds a peak is broken into; "lora" is LoRA parameters + their gradients + optimizer states.
 KINDS = ("weights", "lora", "activations", "transient")
-# "stiefel": FoRA's Stiefel lora_B gradients and everything Cayley-Adam keeps for them (ZeRO-1/2 replicate it).
+# "stiefel": FoRA's Stiefel lora_B gradients and everything Cayley-Adam keeps for them (whole on every rank under
+# ZeRO, row-sharded under FSDP2).
 LORA_PARTS = ("lora_params", "lora_grads", "optimizer_states", "stiefel")
 GIB = 2**30
 MODEL_CONFIGS = Path(__file__).resolve().parent / "model_configs"
@@ -345,10 +350,10 @@ def _wrap_lora(setup: PlanSetup, base: nn.Module):
 def planned_layers(setup: PlanSetup, num_layers: int) -> list[int]:
     """The K layers planned for: the config's own (fora_layers) or, when scoring chooses them, every (L/K)-th from
     layer 0: the lowest layer adapted, so the backward runs through every layer, the most any K layers can need."""
-    from .selection import resolve_layer_budget
+    from .selection import check_layer_indices, resolve_layer_budget
 
     if setup.fora.layers is not None:
-        return sorted(setup.fora.layers)
+        return sorted(check_layer_indices(setup.fora.layers, num_layers))
     k = resolve_layer_budget(setup.fora.layer_budget, num_layers)
     return [round(i * num_layers / k) for i in range(k)]
 
@@ -364,7 +369,7 @@ def _plan_selection(setup: PlanSetup, model: nn.Module, planned: list[int] | Non
     fora = dataclasses.replace(setup.fora, layers=list(planned), scores_path=None)
 
     def unused_score():  # fora.layers is set: choose_layers never scores
-        raise RuntimeError("fora plan does not score to choose its layers")
+        raise ValueError("fora plan scores nothing to choose its layers: it plans the layers given to it")
 
     return choose_layers(model, fora, seed=0, checkpoint=None, score=unused_score)
 
@@ -600,9 +605,10 @@ def _step_phases(
     model = _wrap_lora(setup, _meta_model(setup))
     fora_modes = [m for m in modes if m != "lora"]
     if fora_modes:
-        # make_stiefel for fora; fg-lora's lora_B are the same shapes, only its optimizer differs (AdamW, as
-        # fora_optimizer builds it for that mode).
-        fora = dataclasses.replace(setup.fora, mode=fora_modes[0], scores_path=None)
+        # make_stiefel when a mode uses Stiefel lora_B (fora); fg-lora's lora_B are the same shapes, only its
+        # optimizer differs (AdamW, as fora_optimizer builds it for that mode).
+        stiefel_mode = next((m for m in fora_modes if MODE_PARTS[m][1]), fora_modes[0])
+        fora = dataclasses.replace(setup.fora, mode=stiefel_mode, scores_path=None)
         with torch.device("meta"):
             readapt_lora(model, _plan_selection(setup, model.get_base_model(), planned), fora, seed=0)
     with fake_mode:
@@ -642,20 +648,27 @@ def _step_phases(
                 kinds.mark(euclidean_uids, "optimizer_states")
                 # What the step left alive is the optimizer's to keep (Cayley-Adam's stacked buffers are not all
                 # in `state`); beside the AdamW states, it is the Stiefel part, with the lora_B gradients.
-                kept = {u: b for u, b in tracker.live().items() if u not in before or u in euclidean_uids}
+                live = tracker.live()
+                kept = {u: b for u, b in live.items() if u not in before or u in euclidean_uids}
+                # A lora_B that the step moved into Cayley-Adam's stacked buffer is in `kept` now, not twice.
+                moved = {u for u in backward_peak if kinds.of(u) == "lora_params" and u not in live}
                 stiefel_uids = (set(kept) - euclidean_uids) | tracker.uids(
                     p.grad for p in model.parameters() if id(p) in stiefel and p.grad is not None
                 )
                 kind = _Kinds({**kinds.kind, **dict.fromkeys(stiefel_uids, "stiefel")})
                 flops = backward_flops + tracker.flops - flops
                 phases[mode] = [
-                    Phase(_peak(tracker, kind, {**backward_peak, **kept}), flops, trainable),
+                    Phase(_peak(tracker, kind, {**_without(backward_peak, moved), **kept}), flops, trainable),
                     Phase(_peak(tracker, kind, tracker.peak_live()), flops, trainable),
                 ]
-                del states, kept
+                del states, kept, live
                 optimizer.state.clear()  # the next mode's optimizer starts from no state
                 del optimizer
     return phases
+
+
+def _without(live: dict[int, int], uids: set[int]) -> dict[int, int]:
+    return {u: b for u, b in live.items() if u not in uids}
 
 
 def _fake_readback_errors() -> tuple[type[BaseException], ...]:
@@ -684,14 +697,16 @@ def _shard(setup: PlanSetup, phase: Phase, scoring: bool) -> tuple[Phase, list[s
         sharded = ("optimizer_states",)
     elif engine == "zero2":
         sharded = ("optimizer_states", "lora_grads")
-    elif engine == "zero3" or (engine == "fsdp2" and not scoring):
+    elif engine == "zero3":  # Zero3FoRAOptimizer: every rank holds each whole fp32 lora_B and its Cayley state
+        sharded = ("weights", "lora_params", "optimizer_states", "lora_grads")
+    elif engine == "fsdp2" and not scoring:  # FSDP2: lora_B and its Cayley state are row-sharded
         sharded = ("weights", "lora_params", "optimizer_states", "lora_grads", "stiefel")
     if not sharded:
         return phase, [f"{engine}: scoring holds the whole model on every GPU (before sharding)"]
     peak = {k: (math.ceil(v / w) if k in sharded else v) for k, v in phase.peak.items()}
     note = f"{engine} over {w} GPUs: {', '.join(sharded)} divided by {w} (computed, not simulated ranks)"
     if "weights" in sharded:
-        # Gathered while computing: the current and the prefetched decoder layer, and the output head.
+        # Gathered while computing: the current and the prefetched decoder layer, and the head or the FSDP2 root.
         layer, head, root = _gathered_bytes(setup)
         # FSDP2 keeps the root module (embeddings, final norm, head) gathered from its forward to its backward
         # (fully_shard's root does not reshard after forward); ZeRO-3 gathers the head for the loss.
@@ -699,7 +714,7 @@ def _shard(setup: PlanSetup, phase: Phase, scoring: bool) -> tuple[Phase, list[s
         peak["transient"] = peak.get("transient", 0) + 2 * layer + extra
         note += f"; + {(2 * layer + extra) / GIB:.2f} GiB transient: two gathered decoder layers and {what}"
     notes = [note]
-    if engine in ("zero1", "zero2") and phase.peak.get("stiefel"):
+    if engine in ("zero1", "zero2", "zero3") and phase.peak.get("stiefel"):
         notes.append(f"{engine}: fora's Stiefel lora_B gradients and Cayley-Adam states are whole on every GPU")
     return dataclasses.replace(phase, peak=peak), notes
 
@@ -736,11 +751,7 @@ def _layer_signatures(model: nn.Module, planned: list[int]) -> list[tuple]:
     from .fisher import find_decoder_layers
 
     _, layers = find_decoder_layers(model)
-    per_layer = {
-        name: value
-        for name, value in vars(model.config).items()
-        if isinstance(value, (list, tuple)) and len(value) == len(layers)
-    }
+    per_layer = _per_layer_lists(model.config, len(layers))
     chosen = set(planned)
     signatures = []
     for i, layer in enumerate(layers):
@@ -770,20 +781,25 @@ def _saves_time(depths: tuple[int, ...], num_layers: int) -> bool:
     return sum(depths) < num_layers
 
 
-def truncated_config(config, num_layers: int):
-    """``config`` with its first ``num_layers`` decoder layers: per-layer lists (layer_types, ...) cut to match."""
+def _per_layer_lists(config, num_layers: int) -> dict[str, list | tuple]:
+    """The config's lists with one entry per decoder layer (layer_types, no_rope_layers, ...)."""
+    return {n: v for n, v in vars(config).items() if isinstance(v, (list, tuple)) and len(v) == num_layers}
+
+
+def truncated_config(config: Any, num_layers: int) -> Any:
+    """``config`` (a PretrainedConfig) with its first ``num_layers`` decoder layers: per-layer lists cut to match."""
     import copy
 
-    full = config.num_hidden_layers
     out = copy.deepcopy(config)
-    for name, value in vars(config).items():
-        if isinstance(value, (list, tuple)) and len(value) == full:
-            setattr(out, name, type(value)(value[:num_layers]))
+    for name, value in _per_layer_lists(config, config.num_hidden_layers).items():
+        setattr(out, name, type(value)(value[:num_layers]))
     out.num_hidden_layers = num_layers
     return out
 
 
-def _extrapolate(runs: list[dict[str, list[Phase]]], depths: tuple[int, ...], num_layers: int):
+def _extrapolate(
+    runs: list[dict[str, list[Phase]]], depths: tuple[int, ...], num_layers: int
+) -> dict[str, list[Phase]] | str:
     """Each phase at ``num_layers`` layers from its values at ``depths``, if they lie on a line; else the first
     quantity that does not (a description) in place of the result."""
     step = depths[1] - depths[0]
@@ -792,7 +808,8 @@ def _extrapolate(runs: list[dict[str, list[Phase]]], depths: tuple[int, ...], nu
         out[key] = []
         for index in range(len(candidates)):
             at = [run[key][index] for run in runs]
-            values = {f"{part} bytes": [p.peak.get(part, 0) for p in at] for part in {k for p in at for k in p.peak}}
+            parts = dict.fromkeys(k for p in at for k in p.peak)  # in order of appearance: plan.json is stable
+            values = {f"{part} bytes": [p.peak.get(part, 0) for p in at] for part in parts}
             values["FLOPs"] = [p.flops for p in at]
             values["trainable parameters"] = [p.trainable for p in at]
             line = {}
@@ -833,6 +850,8 @@ def run_plan(setup: PlanSetup, modes: tuple[str, ...] = MODES, *, full_depth: bo
     A stack that repeats is run at three small depths and extrapolated (see :func:`extrapolation_depths`), unless
     ``full_depth``; the output says which.
     """
+    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
+        raise ValueError(f"modes={modes!r}: plan one or more of {MODES}, each once.")
     started = time.perf_counter()
     result: dict[str, Any] = {"phases": {}, "notes": list(setup.notes)}
     scoring = (
@@ -850,7 +869,8 @@ def run_plan(setup: PlanSetup, modes: tuple[str, ...] = MODES, *, full_depth: bo
     depths = None
     # A config whose layer count is not num_hidden_layers (a nested text config) cannot be cut: all layers run.
     if not full_depth and getattr(setup.model_config, "num_hidden_layers", None) == num_layers:
-        depths = extrapolation_depths(base, planned)
+        # With LoRA on: target names may reach some layers only (a full module name, target_parameters).
+        depths = extrapolation_depths(_wrap_lora(setup, base).get_base_model(), planned)
     del base
     measured = None
     if depths is not None:
@@ -902,8 +922,9 @@ def verdict(setup: PlanSetup, result: dict[str, Any], gpu_memory: float | None) 
     """Whether the config's mode fits in ``gpu_memory`` GiB per GPU, and the setting that fixes it if not."""
     if gpu_memory is None:
         return "no --gpu-memory given: no verdict."
-    mode = setup.fora.mode if setup.fora.mode in result["phases"] else "fora"
-    entry = result["phases"][mode]
+    phases = result["phases"]
+    mode = setup.fora.mode if setup.fora.mode in phases else "fora" if "fora" in phases else next(iter(phases))
+    entry = phases[mode]
     limit = gpu_memory * GIB
     step = kinds_of(entry["step"])
     scoring = kinds_of(entry["scoring"]) if "scoring" in entry else None
@@ -948,11 +969,8 @@ def _gib(nbytes: int) -> str:
 
 
 def _planned_k(setup: PlanSetup) -> str:
-    from .selection import resolve_layer_budget
-
-    if setup.fora.layers is not None:
-        return f"{len(setup.fora.layers)} (fora_layers)"
-    return str(resolve_layer_budget(setup.fora.layer_budget, setup.model_config.num_hidden_layers))
+    k = len(planned_layers(setup, setup.model_config.num_hidden_layers))
+    return f"{k} (fora_layers)" if setup.fora.layers is not None else str(k)
 
 
 def format_plan(setup: PlanSetup, result: dict[str, Any], gpu_memory: float | None) -> str:

@@ -84,8 +84,10 @@ def test_weights_and_trainable_parameters_match_an_independent_count(tmp_path):
         assert kinds_of(step)["weights"] == weight_bytes
         assert step.trainable == per_layer * layers
     # fora and fg-lora adapt K = L/2 layers: half the LoRA parameters of lora.
-    lora_parts = {m: result["phases"][m]["step"].peak["lora_params"] for m in ("fora", "lora")}
-    assert lora_parts["lora"] == 2 * lora_parts["fora"] == 2 * 4 * per_layer * (LAYERS // 2)  # fp32 adapters
+    lora_parts = {m: result["phases"][m]["step"].peak["lora_params"] for m in ("fora", "fg-lora", "lora")}
+    assert lora_parts["lora"] == 2 * lora_parts["fg-lora"] == 2 * 4 * per_layer * (LAYERS // 2)  # fp32 adapters
+    # From its first step on, fora's lora_B live in Cayley-Adam's stacked buffers (the "stiefel" part): lora_A stays.
+    assert lora_parts["fora"] == 4 * sum(4 * d_in for d_in, _ in shapes) * (LAYERS // 2)
 
 
 def test_four_bit_weights_take_their_packed_size(tmp_path):
@@ -306,23 +308,31 @@ def test_counts_off_a_line_are_named_and_the_plan_runs_every_layer(tmp_path, mon
     assert any("did not hold (scoring: FLOPs off): ran all 6 layers" in note for note in result["notes"])
 
 
-def test_zero2_keeps_the_stiefel_part_whole_on_every_gpu(tmp_path):
-    """ZeRO-1/2 partition AdamW's states and gradients; FoRA's Stiefel lora_B and their Cayley-Adam state stay
-    whole on every rank (zero.py), so the plan divides the one and not the other."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_keeps_the_stiefel_part_whole_on_every_gpu(tmp_path, stage):
+    """ZeRO partitions AdamW's states and gradients; FoRA's Stiefel lora_B and their Cayley-Adam state stay whole
+    on every rank (zero.py: beside the partition under ZeRO-1/2, gathered under ZeRO-3), so the plan divides the
+    one and not the other."""
     config = write_config(tmp_path, dtype="float32")
     single = run_plan(plan_setup(config, []), modes=("fora", "fg-lora"))["phases"]
-    zero2 = tmp_path / "zero2.json"
-    zero2.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
-    result = run_plan(plan_setup(config, ["--deepspeed", str(zero2)], gpus=4), modes=("fora", "fg-lora"))
+    zero = tmp_path / "zero.json"
+    zero.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
+    result = run_plan(plan_setup(config, ["--deepspeed", str(zero)], gpus=4), modes=("fora", "fg-lora"))
     fora, one = result["phases"]["fora"]["step"].peak, single["fora"]["step"].peak
     # Per Stiefel lora_B (d_out x r 4, fp32): Cayley-Adam's two stacked (d_out, 2r) buffers of [B, m], at least.
     d_out = (HIDDEN + 2 * KV_HEADS * HIDDEN // HEADS + INTERMEDIATE + HIDDEN) * (LAYERS // 2)
     assert fora["stiefel"] == one["stiefel"] >= 2 * d_out * 2 * 4 * 4
     assert fora["optimizer_states"] == -(-one["optimizer_states"] // 4)  # lora_A's AdamW states
     assert "stiefel" not in result["phases"]["fg-lora"]["step"].peak  # AdamW on lora_B: all partitioned
-    # fg-lora shares fora's forward and backward, not its optimizer: planned beside fora or alone, the same step.
+    if stage == 3:
+        return
+    # fg-lora shares fora's forward and backward, not its optimizer: planned beside fora or alone, the same step;
+    # and fora's step does not depend on the order of the modes.
     alone = run_plan(plan_setup(config, []), modes=("fg-lora",))["phases"]["fg-lora"]["step"]
     assert single["fg-lora"]["step"] == alone != single["fora"]["step"]
+    reversed_order = run_plan(plan_setup(config, []), modes=("fg-lora", "fora"))["phases"]
+    assert reversed_order["fora"]["step"] == single["fora"]["step"]
+    assert reversed_order["fg-lora"]["step"] == alone
     assert any("Stiefel lora_B gradients and Cayley-Adam states are whole" in note for note in result["notes"])
 
 
@@ -354,3 +364,31 @@ def test_full_depth_flag_reaches_the_plan(tmp_path, monkeypatch, capsys):
     config = write_config(tmp_path)
     assert main(["plan", config, "--full-depth"]) == 0 and seen["full_depth"] is True
     assert main(["plan", config]) == 0 and seen["full_depth"] is False
+
+
+def test_lora_targets_reaching_some_layers_break_the_repeat(tmp_path, monkeypatch):
+    """Full module names put LoRA on layers 0-3 of 8 only: the layers differ, and all of them run."""
+    monkeypatch.setattr(plan_module, "_saves_time", lambda depths, num_layers: True)
+    config = tiny_config()
+    config.num_hidden_layers = 8
+    config.save_pretrained(tmp_path / "model")
+    targets = [f"model.layers.{i}.self_attn.q_proj" for i in range(4)]
+    setup = plan_setup(write_config(tmp_path, lora_target_modules=targets), [])
+    result = run_plan(setup, modes=("lora",))
+    assert result["depths"] == [8]
+    assert result["phases"]["lora"]["step"].trainable == 4 * 4 * (HIDDEN + HIDDEN)  # 4 q_proj, r 4
+
+
+def test_bad_layers_and_modes_are_refused_before_planning(tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_module, "_saves_time", lambda depths, num_layers: True)
+    config = tiny_config()
+    config.num_hidden_layers = 8
+    config.save_pretrained(tmp_path / "model")
+    # Layer 8 of 8 does not exist, though the depths run (2, 4, 6) never reach it.
+    setup = plan_setup(write_config(tmp_path, fora_layers=[0, 2, 4, 6, 8]), [])
+    with pytest.raises(ValueError, match=r"indices \[8\] outside 0..7"):
+        run_plan(setup)
+    with pytest.raises(ValueError, match=r"modes=\(\): plan one or more of"):
+        run_plan(setup, modes=())
+    with pytest.raises(ValueError, match=r"modes=\('qlora',\)"):
+        run_plan(setup, modes=("qlora",))
