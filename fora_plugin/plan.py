@@ -686,8 +686,11 @@ _FAKE_READBACK_ERRORS = _fake_readback_errors()
 
 
 # ------------------------------------------------------------------------------------------------------ sharding
-def _shard(setup: PlanSetup, phase: Phase, scoring: bool) -> tuple[Phase, list[str]]:
-    """Per-GPU bytes under a sharded engine: what it shards divided by the number of GPUs (said in the output)."""
+def _shard(
+    setup: PlanSetup, phase: Phase, scoring: bool, gathered: tuple[int, int, int] | None
+) -> tuple[Phase, list[str]]:
+    """Per-GPU bytes under a sharded engine: what it shards divided by the number of GPUs (said in the output).
+    ``gathered`` is :func:`_gathered_bytes`, for the engines that shard the weights."""
     w = setup.gpus
     engine = setup.engine
     if engine in ("single", "ddp") or w == 1:
@@ -707,7 +710,7 @@ def _shard(setup: PlanSetup, phase: Phase, scoring: bool) -> tuple[Phase, list[s
     note = f"{engine} over {w} GPUs: {', '.join(sharded)} divided by {w} (computed, not simulated ranks)"
     if "weights" in sharded:
         # Gathered while computing: the current and the prefetched decoder layer, and the head or the FSDP2 root.
-        layer, head, root = _gathered_bytes(setup)
+        layer, head, root = gathered
         # FSDP2 keeps the root module (embeddings, final norm, head) gathered from its forward to its backward
         # (fully_shard's root does not reshard after forward); ZeRO-3 gathers the head for the loss.
         extra, what = (root, "the root (embeddings, norm, head)") if engine == "fsdp2" else (head, "the head")
@@ -895,12 +898,14 @@ def run_plan(setup: PlanSetup, modes: tuple[str, ...] = MODES, *, full_depth: bo
     if measured is None:
         measured = _measure(setup, modes, planned, scoring)
     result["depths"] = list(depths) if depths is not None else [num_layers]
+    # Built once: it sizes a meta model of every layer, and _shard runs per mode, phase and candidate.
+    gathered = _gathered_bytes(setup) if setup.engine in ("zero3", "fsdp2") and setup.gpus > 1 else None
     for mode in modes:
         entry: dict[str, Any] = {}
         phases = {"scoring": measured["scoring"]} if "scoring" in measured and mode != "lora" else {}
         for name, candidates in {**phases, "step": measured[mode]}.items():
             # The per-GPU peak is the larger candidate once each is sharded.
-            sharded = [_shard(setup, phase, name == "scoring") for phase in candidates]
+            sharded = [_shard(setup, phase, name == "scoring", gathered) for phase in candidates]
             entry[name] = max((phase for phase, _ in sharded), key=lambda phase: phase.total)
             notes = [note for _, notes in sharded for note in notes]
             result["notes"] += [note for note in dict.fromkeys(notes) if note not in result["notes"]]

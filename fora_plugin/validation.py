@@ -132,13 +132,8 @@ NUMBER_RULES: dict[str, Rule] = {
 
 # The NUMBER_RULES keys each set of arguments holds.
 LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout")
-TRAINING_KEYS = (
-    "per_device_train_batch_size",
-    "per_device_eval_batch_size",
-    "gradient_accumulation_steps",
-    "max_steps",
-    "num_train_epochs",
-    "max_length",
+# Named alike in TRL's TrainingArguments and in Axolotl's YAML.
+_OPTIMIZER_KEYS = (
     "warmup_steps",
     "warmup_ratio",
     "weight_decay",
@@ -146,6 +141,15 @@ TRAINING_KEYS = (
     "adam_beta1",
     "adam_beta2",
     "adam_epsilon",
+)
+TRAINING_KEYS = (
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "gradient_accumulation_steps",
+    "max_steps",
+    "num_train_epochs",
+    "max_length",
+    *_OPTIMIZER_KEYS,
     "label_smoothing_factor",
     "logging_steps",
     "save_steps",
@@ -163,13 +167,7 @@ AXOLOTL_KEYS = LORA_KEYS + (
     "sequence_len",
     "num_epochs",
     "max_steps",
-    "warmup_steps",
-    "warmup_ratio",
-    "weight_decay",
-    "max_grad_norm",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_epsilon",
+    *_OPTIMIZER_KEYS,
     "logging_steps",
     "save_steps",
     "eval_steps",

@@ -33,10 +33,10 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_llama(
-    num_layers: int = 4, seed: int = 0, vocab_size: int = 96, hidden_size: int = 32, intermediate_size: int = 64
-) -> LlamaForCausalLM:
-    config = LlamaConfig(
+def tiny_llama_config(
+    num_layers: int = 4, vocab_size: int = 96, hidden_size: int = 32, intermediate_size: int = 64
+) -> LlamaConfig:
+    return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -48,6 +48,12 @@ def tiny_llama(
         bos_token_id=1,
         eos_token_id=2,
     )
+
+
+def tiny_llama(
+    num_layers: int = 4, seed: int = 0, vocab_size: int = 96, hidden_size: int = 32, intermediate_size: int = 64
+) -> LlamaForCausalLM:
+    config = tiny_llama_config(num_layers, vocab_size, hidden_size, intermediate_size)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
 

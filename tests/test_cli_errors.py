@@ -133,6 +133,10 @@ class Ctx:
         base = ["eval", "--base", str(self.shared / "model"), "--commonsense-dir", str(task.parents[1])]
         return [*base, "--tasks", "boolq", *flags]
 
+    def perplexity(self, *flags: str) -> list[str]:
+        """`fora eval` on the tiny model with a two-character WikiText file, plus ``flags``."""
+        return ["eval", "--base", str(self.shared / "model"), "--wikitext", self.file("w.txt", "ab"), *flags]
+
 
 def earlier_run(folder: Path) -> None:
     """What an earlier, finished run left in ``folder``: every row's output folder starts with these files."""
@@ -475,43 +479,17 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
     ("eval-max-new-tokens-zero", lambda c: c.eval("--max-new-tokens", "0"), r"--max-new-tokens=0 is invalid"),
     (
         "eval-ppl-stride-zero",
-        lambda c: [
-            "eval",
-            "--base",
-            str(c.shared / "model"),
-            "--wikitext",
-            c.file("w.txt", "ab"),
-            "--ppl-stride",
-            "0",
-        ],
+        lambda c: c.perplexity("--ppl-stride", "0"),
         r"--ppl-stride=0 is invalid",
     ),
     (
         "eval-ppl-stride-over-window",
-        lambda c: [
-            "eval",
-            "--base",
-            str(c.shared / "model"),
-            "--wikitext",
-            c.file("w.txt", "ab"),
-            "--ppl-max-length",
-            "16",
-            "--ppl-stride",
-            "32",
-        ],
+        lambda c: c.perplexity("--ppl-max-length", "16", "--ppl-stride", "32"),
         r"--ppl-stride=32 is invalid: the stride must be at most --ppl-max-length \(16\)",
     ),
     (
         "eval-ppl-max-tokens-zero",
-        lambda c: [
-            "eval",
-            "--base",
-            str(c.shared / "model"),
-            "--wikitext",
-            c.file("w.txt", "ab"),
-            "--ppl-max-tokens",
-            "0",
-        ],
+        lambda c: c.perplexity("--ppl-max-tokens", "0"),
         r"--ppl-max-tokens=0 is invalid",
     ),
     (

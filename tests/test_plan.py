@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 import yaml
+from conftest import tiny_llama_config
 from peft import LoraConfig, get_peft_model
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, T5Config
@@ -27,17 +28,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB, KV_HEADS, HEADS = 64, 128, 4, 96, 2, 4
 
 
-def tiny_config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=128,
-        pad_token_id=0,
-    )
+def tiny_config(num_layers: int = LAYERS) -> LlamaConfig:
+    return tiny_llama_config(num_layers, VOCAB, HIDDEN, INTERMEDIATE)
 
 
 def write_config(tmp_path, **keys) -> str:
@@ -237,9 +229,7 @@ def test_depth_extrapolation_gives_the_counts_of_running_every_layer(tmp_path, m
     """8 layers, fora on every 2nd: run at depths 2, 4, 6 and extrapolated to 8, against all 8 layers run."""
     monkeypatch.setattr(plan_module, "_saves_time", lambda depths, num_layers: True)
     model_dir = tmp_path / "model"
-    config = tiny_config()
-    config.num_hidden_layers = 8
-    config.save_pretrained(model_dir)
+    tiny_config(8).save_pretrained(model_dir)
     if keys.get("deepspeed") == "zero3":
         zero3 = tmp_path / "zero3.json"
         zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}))
@@ -256,9 +246,7 @@ def test_depth_extrapolation_gives_the_counts_of_running_every_layer(tmp_path, m
 def test_a_stack_that_does_not_repeat_runs_every_layer(tmp_path):
     # LoRA on the top half: layers 0-7 and 8-15 differ, no period shorter than the stack.
     model_dir = tmp_path / "model"
-    config = tiny_config()
-    config.num_hidden_layers = 16
-    config.save_pretrained(model_dir)
+    tiny_config(16).save_pretrained(model_dir)
     setup = plan_setup(write_config(tmp_path, fora_layers=list(range(8, 16))), [])
     base = plan_module._meta_model(setup)
     assert plan_module.extrapolation_depths(base, plan_module.planned_layers(setup, 16)) is None
@@ -300,9 +288,7 @@ def test_counts_off_a_line_are_named_and_the_plan_runs_every_layer(tmp_path, mon
 
     monkeypatch.setattr(plan_module, "_saves_time", lambda depths, num_layers: True)
     monkeypatch.setattr(plan_module, "_extrapolate", lambda runs, depths, num_layers: "scoring: FLOPs off")
-    config = tiny_config()
-    config.num_hidden_layers = 6
-    config.save_pretrained(tmp_path / "model")
+    tiny_config(6).save_pretrained(tmp_path / "model")
     result = run_plan(plan_setup(write_config(tmp_path), []), modes=("lora",))
     assert result["depths"] == [6]
     assert any("did not hold (scoring: FLOPs off): ran all 6 layers" in note for note in result["notes"])
@@ -369,9 +355,7 @@ def test_full_depth_flag_reaches_the_plan(tmp_path, monkeypatch, capsys):
 def test_lora_targets_reaching_some_layers_break_the_repeat(tmp_path, monkeypatch):
     """Full module names put LoRA on layers 0-3 of 8 only: the layers differ, and all of them run."""
     monkeypatch.setattr(plan_module, "_saves_time", lambda depths, num_layers: True)
-    config = tiny_config()
-    config.num_hidden_layers = 8
-    config.save_pretrained(tmp_path / "model")
+    tiny_config(8).save_pretrained(tmp_path / "model")
     targets = [f"model.layers.{i}.self_attn.q_proj" for i in range(4)]
     setup = plan_setup(write_config(tmp_path, lora_target_modules=targets), [])
     result = run_plan(setup, modes=("lora",))
@@ -381,9 +365,7 @@ def test_lora_targets_reaching_some_layers_break_the_repeat(tmp_path, monkeypatc
 
 def test_bad_layers_and_modes_are_refused_before_planning(tmp_path, monkeypatch):
     monkeypatch.setattr(plan_module, "_saves_time", lambda depths, num_layers: True)
-    config = tiny_config()
-    config.num_hidden_layers = 8
-    config.save_pretrained(tmp_path / "model")
+    tiny_config(8).save_pretrained(tmp_path / "model")
     # Layer 8 of 8 does not exist, though the depths run (2, 4, 6) never reach it.
     setup = plan_setup(write_config(tmp_path, fora_layers=[0, 2, 4, 6, 8]), [])
     with pytest.raises(ValueError, match=r"indices \[8\] outside 0..7"):
