@@ -4,8 +4,11 @@ For each set of lora_B shapes it prints, side by side from one run:
 
 - thread CPU time and wall time per step (median over interleaved rounds, so a change in the machine's load hits every
   line alike) of ``AdamW(fused=True)``, ``AdamW(foreach=True)``, Cayley-Adam before the stacked storage (the old step,
-  kept in ``bench/reference_cayley_adam.py``), Cayley-Adam now, and the step's two essential batched matmuls alone:
-  the Gram matrix [B, m]ᵀ[B, m] and the update [B, m]·C of every shape bucket (about 16·r flops per entry);
+  kept in ``bench/reference_cayley_adam.py``), Cayley-Adam on stacked storage whose views were the parameters (the
+  step of fora-plugin at ``--stacked-rev``, imported from git: issue 19's design, which issue 30 replaced because a
+  parameter must own its storage), Cayley-Adam now (the same step on buffers it copies [B, m] into and out of), and
+  the step's two essential batched matmuls alone: the Gram matrix [B, m]ᵀ[B, m] and the update [B, m]·C of every
+  shape bucket (about 16·r flops per entry);
 - kernel-running aten ops per step and per shape bucket, counted with a dispatch mode (views and other metadata-only
   ops are not kernels);
 - words moved per lora_B entry, counted from the ops' inputs and outputs (each distinct tensor an op reads, each it
@@ -26,10 +29,15 @@ Cayley system solved by 5 fixed-point iterations with d x d products.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import io
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -57,6 +65,33 @@ SETS = [
 
 
 DEVICE = torch.device("cpu")
+# The last revision whose Cayley-Adam kept lora_B as views into its stacks (issue 19; replaced in issue 30).
+STACKED_REV = "42ed290"
+STACKED = None  # CayleyAdam at STACKED_REV, or None where it cannot be had (no git, a shallow clone)
+
+
+def cayley_adam_at(rev: str) -> type | None:
+    """``fora_plugin.CayleyAdam`` as it was at git revision ``rev``, imported as another package (its modules import
+    each other relatively), or None with a note where git cannot give it."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        archive = subprocess.run(
+            ["git", "-C", str(root), "archive", rev, "fora_plugin"], capture_output=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as error:
+        print(f"(no row for the stacked step: git archive {rev} failed: {error})")
+        return None
+    target = Path(tempfile.mkdtemp(prefix="fora-plugin-"))
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(target, filter="data")
+    name = f"fora_plugin_{rev}"
+    spec = importlib.util.spec_from_file_location(
+        name, target / "fora_plugin" / "__init__.py", submodule_search_locations=[str(target / "fora_plugin")]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module.CayleyAdam
 
 
 def synchronize() -> None:
@@ -178,6 +213,10 @@ def bench_set(name: str, d_outs: dict[int, int], r: int, experts: int, rounds: i
         "CayleyAdam before (old step)": ReferenceCayleyAdam([{"params": lora_b_set(d_outs, r, experts), **group}]),
         "CayleyAdam now": CayleyAdam([{"params": lora_b_set(d_outs, r, experts), **group}]),
     }
+    if STACKED is not None:
+        optimizers[f"CayleyAdam stacked views ({STACKED_REV})"] = STACKED(
+            [{"params": lora_b_set(d_outs, r, experts), **group}]
+        )
     candidates = {label: opt.step for label, opt in optimizers.items()}
     candidates["essential matmuls alone"] = essential_matmuls(d_outs, r, experts)
     for run in candidates.values():  # warm-up: state made, stacks built
@@ -241,13 +280,19 @@ def bench_dense(r: int, rounds: int) -> None:
 
 
 def main() -> None:
-    global DEVICE
+    global DEVICE, STACKED
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds (default: 10)")
     parser.add_argument("--sets", nargs="*", type=int, help="indices into SETS to run (default: all)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    parser.add_argument(
+        "--stacked-rev",
+        default=STACKED_REV,
+        help=f"git revision of the stacked-views step to time beside today's (default: {STACKED_REV}; '' for none)",
+    )
     args = parser.parse_args()
     DEVICE = torch.device(args.device)
+    STACKED = cayley_adam_at(args.stacked_rev) if args.stacked_rev else None
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     print(
         f"device {DEVICE}, CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, threads "

@@ -22,10 +22,10 @@ from fora_plugin.optim import (
     DTensor,
     _all_reduce,
     _compute_dtype,
-    _init_state,
     _local,
     _local_gradient,
     _reduce_groups,
+    init_cayley_adam_state,
 )
 from fora_plugin.stiefel import CAYLEY_SOLVERS
 
@@ -148,7 +148,7 @@ def reference_group_step(
         if grad.is_sparse:
             raise TypeError("CayleyAdam does not support sparse gradients.")
         if not state[p]:
-            _init_state(state[p], p, num_experts)
+            init_cayley_adam_state(state[p], p, num_experts)
         if "reprojections" not in state[p]:  # a state saved before the counter existed
             state[p]["reprojections"] = torch.zeros_like(state[p]["skipped_steps"])
         layout = (id(p.device_mesh), tuple(p.placements)) if DTensor is not None and isinstance(p, DTensor) else None

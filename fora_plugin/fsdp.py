@@ -44,7 +44,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.utils import strtobool
 
 from .config import FoRAConfig
-from .optim import _init_state
+from .optim import init_cayley_adam_state
 
 
 try:
@@ -277,7 +277,7 @@ def init_sharded_stiefel_state(model: nn.Module, optimizer: torch.optim.Optimize
                 continue
             try:
                 with torch.no_grad():  # as in the step: writes the projected point into the parameter
-                    _init_state(optimizer.state[p], p, group.get("num_experts", 1))
+                    init_cayley_adam_state(optimizer.state[p], p, group.get("num_experts", 1))
             except ValueError as error:
                 optimizer.state.pop(p, None)
                 raise ValueError(

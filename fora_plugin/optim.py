@@ -37,12 +37,18 @@ try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # a torch build without torch.distributed
     DTensor = None
+try:
+    from torch._subclasses.fake_tensor import FakeTensor
+except ImportError:  # no fake tensors: every CPU tensor is a real one
+    FakeTensor = None
 
 
 # State entries kept in the compute dtype (fp32, or fp64 for fp64 parameters), whatever the parameter's dtype.
 _COMPUTE_STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
 # Counters, one per matrix (per expert block): steps taken, steps skipped, re-projections onto the manifold.
 _COUNTER_KEYS = ("step", "skipped_steps", "reprojections")
+# The per-matrix scalars of the state (tensors of shape () or (E,)).
+_STATE_SCALAR_KEYS = ("exp_avg_sq", *_COUNTER_KEYS)
 
 # ‖BᵀB − I‖_F above which a matrix is re-projected onto the manifold within the step. An fp32 Cayley-Adam run
 # stays below 1e-4 for thousands of steps; more means the step size or the gradients have gone wrong.
@@ -210,13 +216,11 @@ class CayleyAdam(Optimizer):
         for index, p in enumerate(group["params"]):
             _check_stiefel_parameter(p, index, group.get("num_experts", 1))
 
-    def state_dict(self) -> dict[str, Any]:
-        return _standalone_state(super().state_dict())
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         _restore_fp32_state(self, state_dict)
-        self.__dict__.pop("_fora_stacks", None)  # the next step stacks the loaded values
+        # The loaded masters meet parameters the step has not written: the next step reconciles each pair.
+        self.__dict__.pop("_fora_written", None)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -229,24 +233,14 @@ class CayleyAdam(Optimizer):
         return loss
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Every tensor that holds a Stiefel point or Cayley-Adam state, each once and contiguous: what a broadcast of
-        the whole state sends (ZeRO-1/2's periodic sync). A stacked ``lora_B`` and its ``exp_avg`` are views into
-        their stack's buffer, which is sent whole; a collective writing into a strided view would scatter wrong."""
-        tensors, stacked = [], {}
-        for stack in self.__dict__.get("_fora_stacks", {}).values():
-            if stack.holds(self.state):
-                tensors += [buffer[stack.parity] for buffer in stack.buffers]
-                tensors += [stack.step_count, stack.exp_avg_sq, stack.counts]
-                stacked.update((id(p), low) for p, low in zip(stack.params, stack.low_precision))
+        """Every tensor that holds a Stiefel point or Cayley-Adam state, in a fixed order: what a broadcast of the
+        whole state sends (ZeRO-1/2's periodic sync). Each is its own storage, so a collective can write into it."""
+        tensors = []
         for group in self.param_groups:
             for p in group["params"]:
-                if id(p) in stacked:
-                    if stacked[id(p)]:
-                        tensors.append(p.data)  # the low-precision copy of the stacked master
-                    continue
                 state = self.state.get(p, {})
                 tensors.append(p.data)
-                tensors.extend(state[key] for key in ("master", "exp_avg", "exp_avg_sq") if key in state)
+                tensors.extend(state[key] for key in ("master", "exp_avg", *_STATE_SCALAR_KEYS) if key in state)
         return tensors
 
     def skipped_steps(self) -> int:
@@ -262,19 +256,6 @@ class CayleyAdam(Optimizer):
 def _count(optimizer: Optimizer, key: str) -> int:
     counts = [s[key].sum() for s in optimizer.state.values() if key in s]
     return int(torch.stack(counts).sum()) if counts else 0
-
-
-def _standalone_state(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with each view into a stack replaced by a standalone copy: a saved state has today's layout
-    and size (a view would save its whole stack), and later steps do not write into it."""
-
-    def standalone(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value._base is not None:
-            return value.clone(memory_format=torch.contiguous_format)
-        return value
-
-    state = {key: {k: standalone(v) for k, v in entry.items()} for key, entry in state_dict["state"].items()}
-    return {**state_dict, "state": state}
 
 
 def _restore_fp32_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
@@ -295,7 +276,10 @@ def _restore_fp32_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> Non
                     optimizer.state[p][key] = saved_state[key].to(device=p.device)
 
 
-def _init_state(state: dict[str, Any], p: torch.Tensor, num_experts: int) -> None:
+def init_cayley_adam_state(state: dict[str, Any], p: torch.Tensor, num_experts: int = 1) -> None:
+    """Fill ``state`` (empty) for the Stiefel parameter ``p``: project ``p`` onto the manifold, in place, and make
+    its moments, counters and, for a bf16/fp16 ``p``, its fp32 master. The first step does this; FSDP2's setup calls
+    it before training so that the host-side checks of a row-sharded projection run once, outside the steps."""
     device, dtype = p.device, _compute_dtype(p)
     groups = _reduce_groups(p)
     # An fp32 p is projected in place; a bf16 p gets an fp32 copy (a DTensor with p's placements for a DTensor p).
@@ -322,14 +306,19 @@ def _init_state(state: dict[str, Any], p: torch.Tensor, num_experts: int) -> Non
     state["reprojections"] = torch.zeros(counter_shape, dtype=torch.int64, device=device)
 
 
-def stiefel_step_with_gradients(optimizer: CayleyAdam, grads: Mapping[torch.Tensor, torch.Tensor]) -> None:
+def stiefel_step_with_gradients(
+    optimizer: CayleyAdam,
+    grads: Mapping[torch.Tensor, torch.Tensor],
+    groups: Iterable[dict[str, Any]] | None = None,
+) -> None:
     """One :class:`CayleyAdam` step with ``grads[p]`` as the gradient of ``p`` in place of ``p.grad``.
 
     For gradients kept outside ``.grad``: an fp32 gradient of a bf16 parameter (``.grad`` must have the
-    parameter's dtype), such as the all-reduced gradient of a replicated ``lora_B`` under DeepSpeed.
+    parameter's dtype), such as the all-reduced gradient of a replicated ``lora_B`` under DeepSpeed. ``groups``
+    (default: all of ``optimizer.param_groups``) are the groups that step: a group left out keeps its step count.
     """
     with torch.no_grad():
-        for group in optimizer.param_groups:
+        for group in optimizer.param_groups if groups is None else groups:
             _cayley_adam_group_step(optimizer, group, grads)
 
 
@@ -346,19 +335,66 @@ def _local_gradient(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+def _signature(p: torch.Tensor) -> tuple:
+    """What the step last left in ``p``: its version counter (bumped by every in-place write), its storage, dtype
+    and device. Host-side metadata only: reading it syncs nothing."""
+    if torch.compiler.is_compiling():
+        # Dynamo reads a version counter only as data (a graph break): a compiled step follows casts and moves of
+        # its parameters, not in-place writes.
+        return None, None, p.dtype, p.device
+    local = _local(p)
+    return local._version, local.untyped_storage()._cdata, p.dtype, p.device
+
+
+def _follow_parameter(state: dict[str, Any], p: torch.Tensor, last: tuple | None) -> None:
+    """Bring ``p``'s state in line with ``p`` where something outside the step changed ``p`` since the step last
+    wrote it (``last``, its :func:`_signature` then; None if unknown, e.g. after ``load_state_dict``).
+
+    - Moved (``.to(device)``): the state moves with it.
+    - Cast (``.to(dtype)``): the state takes ``p``'s compute dtype; a ``p`` cast down from fp32 gets a master made
+      from its values, one cast up to fp32 becomes its own point (the master's value where ``p`` still holds it).
+    - Written in place (``load_state_dict``, a user's edit): the fp32 master takes ``p``'s new values. Where ``p``
+      still equals the master rounded, the master's extra bits are kept, so a spurious refresh changes nothing.
+    """
+    if last == _signature(p):
+        return
+    device, dtype = p.device, _compute_dtype(p)
+    for key, value in list(state.items()):
+        if isinstance(value, torch.Tensor):
+            target = dtype if key in _COMPUTE_STATE_KEYS else value.dtype
+            if value.device != device or value.dtype != target:
+                state[key] = value.to(device=device, dtype=target)
+    master = state.get("master")
+    local = _local(p)
+    if master is not None:
+        # The master rounded as the step last stored it in p (p's dtype then), in p's dtype now.
+        stored = _local(master).to(p.dtype if last is None else last[2]).to(p.dtype)
+        point = torch.where(local == stored, _local(master), local.to(dtype))
+        if p.dtype == dtype:  # cast up to the compute dtype: p is its own point again
+            local.copy_(point)
+            del state["master"]
+        else:
+            _local(master).copy_(point)
+    elif p.dtype != dtype:  # cast down from the compute dtype: the master starts from the values p holds now
+        state["master"] = p.detach().to(dtype)
+
+
 def _cayley_adam_group_step(
     optimizer: CayleyAdam,
     group: dict[str, Any],
     grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     state = optimizer.state
+    written = optimizer.__dict__.setdefault("_fora_written", {})  # p -> _signature(p) after the step wrote it
     group["steps"] += 1
     num_experts = group.get("num_experts", 1)  # a group saved before per-expert blocks existed has no key
     period = group["qr_period"]
     periodic = period > 0 and group["steps"] % period == 0
-    # Buckets by the whole matrix's shape and layout, which every rank sees alike: the all-reduces of a sharded
-    # bucket then pair up across ranks even where the local row counts differ.
-    buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+    # Batches of matrices with one r, compute dtype, device and layout share one batched 2r x 2r algebra; within a
+    # batch, a bucket per whole-matrix shape (one (n, d, 2r) buffer). Keyed by what every rank sees alike, so the
+    # all-reduces of a sharded batch pair up across ranks even where the local row counts differ.
+    batches: dict[tuple, dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]]] = defaultdict(lambda: defaultdict(list))
+    stepped = []
     for p in group["params"]:
         grad = p.grad if grads is None else grads.get(p)
         if grad is None:
@@ -366,189 +402,144 @@ def _cayley_adam_group_step(
         if grad.is_sparse:
             raise TypeError("CayleyAdam does not support sparse gradients.")
         if not state[p]:
-            _init_state(state[p], p, num_experts)
+            init_cayley_adam_state(state[p], p, num_experts)
+        else:
+            _follow_parameter(state[p], p, written.get(p))
         if "reprojections" not in state[p]:  # a state saved before the counter existed
             state[p]["reprojections"] = torch.zeros_like(state[p]["skipped_steps"])
         layout = (id(p.device_mesh), tuple(p.placements)) if DTensor is not None and isinstance(p, DTensor) else None
-        buckets[(tuple(p.shape), p.device, _compute_dtype(p), layout)].append((p, _local_gradient(p, grad)))
-    # Plain (d, r) matrices live in FoRA's own stacked storage, one per (r, dtype, device); DTensors (the engine owns
-    # their storage) and fused-expert lora_B (PEFT interleaves the experts' columns) are stacked for the step.
-    stacks: dict[tuple, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = defaultdict(list)
-    for (shape, device, dtype, layout), members in buckets.items():
-        params, bucket_grads = [p for p, _ in members], [g for _, g in members]
-        if layout is None and num_experts == 1:
-            stacks[(shape[1], device, dtype)].append((params, bucket_grads))
-        else:
-            _scratch_bucket_step(state, params, bucket_grads, group, periodic, _reduce_groups(params[0]))
-    for members in stacks.values():
-        _stack_for(optimizer, [params for params, _ in members]).step(
-            state, [bucket_grads for _, bucket_grads in members], group, periodic
-        )
+        batch = (p.shape[1], p.device, _compute_dtype(p), layout)
+        batches[batch][tuple(p.shape)].append((p, _local_gradient(p, grad)))
+        stepped.append(p)
+    for buckets in batches.values():
+        members = list(buckets.values())
+        _cayley_adam_batch_step(optimizer, members, group, periodic, _reduce_groups(members[0][0][0]))
+    for p in stepped:
+        written[p] = _signature(p)
 
 
-def _stack_for(optimizer: CayleyAdam, buckets: list[list[torch.Tensor]]) -> _Stack:
-    """The persistent stack of these buckets of parameters, built (or rebuilt) from their current values if its
-    storage is no longer theirs: a new set of parameters with gradients, a loaded state, a moved parameter."""
-    stacks = optimizer.__dict__.setdefault("_fora_stacks", {})
-    key = tuple(tuple(id(p) for p in params) for params in buckets)
-    stack = stacks.get(key)
-    if stack is not None and (torch.compiler.is_compiling() or stack.holds(optimizer.state)):
-        return stack
-    members = {i for ids in key for i in ids}
-    for other in [k for k in stacks if members & {i for ids in k for i in ids}]:
-        del stacks[other]  # a parameter's point lives in one stack
-    stacks[key] = stack = _Stack(optimizer.state, buckets)
-    return stack
+def _cayley_adam_batch_step(
+    optimizer: CayleyAdam,
+    buckets: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    group: dict[str, Any],
+    periodic: bool,
+    reduce_groups: tuple,
+) -> None:
+    """The step of every matrix in ``buckets`` (each a list of (parameter, local gradient) of one shape; all of
+    one r, compute dtype, device and layout). A sum over rows is all-reduced over ``reduce_groups`` (none for
+    plain tensors), once for the whole batch.
 
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are the same memory: storage, offset, shape and strides (meta and fake tensors too)."""
-    return (
-        a.untyped_storage()._cdata == b.untyped_storage()._cdata
-        and a.storage_offset() == b.storage_offset()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-    )
-
-
-class _Stack:
-    """FoRA's storage of the plain (d, r) Stiefel matrices of one group with one r, dtype and device.
-
-    Each shape bucket (n matrices of one d) keeps [B, m] in a persistent (n, d, 2r) buffer: the parameter (or its
-    fp32 master) and its ``exp_avg`` are views into it, so the step reads them in place. A matrix product cannot
-    write into its own input, so each bucket has two such buffers: the step reads one and writes
-    [B_{t+1}, m_{t+1}] into the other with one ``baddbmm``, and the views then point at the new one (a metadata
-    change, no copy). The free buffer first receives G (the one copy of the gradients, cast to the compute dtype).
-    The per-matrix scalars (step, v and the two counters) are views into (N,) buffers of the whole stack, and the
-    2r x 2r algebra of all its buckets runs once, batched over the N matrices.
+    Each bucket's [B, m] is copied into a scratch (n, d, 2r) buffer, stepped there by two batched products, and
+    copied back: parameters and moments keep their own storage (a parameter never aliases another one or the
+    optimizer's state), at the price of five (d, r) copies per matrix, small beside the products (16·r flops per
+    entry). A fused-MoE lora_B's E interleaved expert blocks are E matrices of the buffer.
     """
+    state = optimizer.state
+    num_experts = group.get("num_experts", 1)
+    first = _local(state[buckets[0][0][0]]["exp_avg"])
+    dtype, device = first.dtype, first.device
+    r = first.shape[1] // num_experts
+    sharded = bool(reduce_groups)
+    constants = _Constants.cached(optimizer, r, dtype, device, group["betas"])
 
-    def __init__(self, state: dict[torch.Tensor, dict[str, Any]], buckets: list[list[torch.Tensor]]) -> None:
-        first = state[buckets[0][0]]["exp_avg"]
-        dtype, device = first.dtype, first.device
-        self.r = r = first.shape[1]
-        self.params = [p for params in buckets for p in params]
-        self.rows = []  # (start, stop) of each bucket in the stack
-        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # per bucket, the two (n, d, 2r) buffers
-        start = 0
-        for params in buckets:
-            n, d = len(params), params[0].shape[0]
-            self.rows.append((start, start + n))
-            self.buffers.append(tuple(torch.empty((n, d, 2 * r), dtype=dtype, device=device) for _ in range(2)))
-            start += n
-        states = [state[p] for p in self.params]
-        self.low_precision = ["master" in s for s in states]  # the parameter is the master rounded
-        current = [buffer[0] for buffer in self.buffers]
-        torch._foreach_copy_(self._views(current, 0), [s.get("master", p) for p, s in zip(self.params, states)])
-        torch._foreach_copy_(self._views(current, 1), [s["exp_avg"] for s in states])
-        self.step_count = torch.stack([s["step"] for s in states]).to(torch.float32)  # (N,)
-        self.exp_avg_sq = torch.stack([s["exp_avg_sq"] for s in states]).to(dtype)  # (N,)
-        self.counts = torch.stack(  # (2, N): skipped steps, re-projections
-            [torch.stack([s["skipped_steps"] for s in states]), torch.stack([s["reprojections"] for s in states])]
-        ).to(torch.int64)
-        self.gram = torch.empty((start, 2 * r, 2 * r), dtype=dtype, device=device)  # (N, 2r, 2r)
-        self.norms = torch.empty((start,), dtype=dtype, device=device)  # (N,) ‖G‖
-        self.reprojection = torch.eye(2 * r, dtype=dtype, device=device).repeat(start, 1, 1)  # (N, 2r, 2r) T
-        self.parity = 0
-        self.constants: _Constants | None = None
-        self._point(state)
+    def blocks(stack: torch.Tensor) -> list[torch.Tensor]:
+        # (d, r) matrices for E = 1, where torch._foreach_copy_ takes its fast path (2x faster on CPU); (E, d, r)
+        # blocks of one parameter otherwise.
+        return list(stack.unbind(0) if num_experts == 1 else stack.split(num_experts))
 
-    def _views(self, buffers: list[torch.Tensor], half: int) -> list[torch.Tensor]:
-        """The (d, r) view of each matrix in the B half (0) or the m half (1) of ``buffers``."""
-        r = self.r
-        return [matrix for buffer in buffers for matrix in buffer[..., half * r : (half + 1) * r].unbind(0)]
+    def expert_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return tensors if num_experts == 1 else [expert_blocks(t, num_experts) for t in tensors]
 
-    def _point(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
-        """Make every parameter (or master) and its state views into the current buffers."""
-        if not hasattr(self, "_all_views"):  # the views of both parities, made once
-            self._all_views = []
-            for parity in (0, 1):
-                buffers = [buffer[parity] for buffer in self.buffers]
-                points, moments = self._views(buffers, 0), self._views(buffers, 1)
-                views = []
-                for i, low in enumerate(self.low_precision):
-                    entry = {
-                        "exp_avg": moments[i],
-                        "step": self.step_count[i],
-                        "exp_avg_sq": self.exp_avg_sq[i],
-                        "skipped_steps": self.counts[0, i],
-                        "reprojections": self.counts[1, i],
-                    }
-                    if low:
-                        entry["master"] = points[i]
-                    views.append(entry)
-                self._all_views.append((points, views))
-        self.points, self.views = self._all_views[self.parity]
-        for p, point, low, views in zip(self.params, self.points, self.low_precision, self.views):
-            if not low:
-                p.data = point
-            state[p].update(views)
+    # On the CPU every large allocation is fresh pages from the OS (for LLaMA-3.1-8B's lora_B at r 32, 65 ms of page
+    # faults a step, more than the copies): the buffers are kept. An accelerator's caching allocator reuses freed
+    # blocks and lends them to activations between steps, so there they live for the step only. Fake tensors stand
+    # for an accelerator's (fora plan).
+    kept = optimizer.__dict__.setdefault("_fora_scratch", {}) if _keeps_scratch(first) else {}
 
-    def holds(self, state: dict[torch.Tensor, dict[str, Any]]) -> bool:
-        """Whether every parameter and state entry of the stack is still the view it was given."""
-        for p, point, low, views in zip(self.params, self.points, self.low_precision, self.views):
-            s = state.get(p)
-            if s is None or any(s.get(key) is not view for key, view in views.items()):
-                return False
-            if not low and not _same_view(p, point):
-                return False
-        return True
+    def scratch(n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (n, d, 2 * r, dtype, device)
+        if key not in kept:
+            kept[key] = tuple(torch.empty(key[:3], dtype=dtype, device=device) for _ in range(2))
+        return kept[key]
 
-    def step(
-        self,
-        state: dict[torch.Tensor, dict[str, Any]],
-        grads: list[list[torch.Tensor]],
-        group: dict[str, Any],
-        periodic: bool,
-    ) -> None:
-        r = self.r
-        current = [buffer[self.parity] for buffer in self.buffers]
-        free = [buffer[1 - self.parity] for buffer in self.buffers]
-        staged = []
-        for (start, stop), Q, bucket_grads in zip(self.rows, free, grads):
-            # G in the first half of the free buffer, read as a contiguous (n, d, r) tensor: the passes over G run
-            # several times faster on it than on a strided half (8x for the norm).
-            G = Q.view(-1)[: Q.numel() // 2].view(Q.shape[0], Q.shape[1], r)  # (n, d, r)
-            torch._foreach_copy_(list(G.unbind(0)), bucket_grads)  # in the compute dtype
-            torch.linalg.vector_norm(G.view(G.shape[0], -1), dim=-1, out=self.norms[start:stop])  # inf/nan if any is
-            G.nan_to_num_(0.0, 0.0, 0.0)  # a skipped matrix then keeps m_t bit for bit: m + 0·(G − m) = m
-            staged.append(G)
-        grad_sq = self.norms.square()  # (N,)
-        finite = grad_sq < math.inf  # (N,) False for inf and nan (one op, where isfinite takes four)
-        self.constants = constants = _Constants.get(self.constants, r, self.gram, group["betas"])
+    params, states, points, moments, buffers, norms = [], [], [], [], [], []
+    for bucket in buckets:
+        bucket_params = [p for p, _ in bucket]
+        bucket_states = [state[p] for p in bucket_params]
+        bucket_points = [_local(s.get("master", p)) for p, s in zip(bucket_params, bucket_states)]  # (d, r·E)
+        bucket_moments = [_local(s["exp_avg"]) for s in bucket_states]
+        n, d = len(bucket) * num_experts, bucket_points[0].shape[0]
+        P, Q = scratch(n, d)  # [B, m]; G, then [B_{t+1}, m_{t+1}]
+        # G in the first half of Q, a contiguous (n, d, r) tensor: the passes over G run several times faster on it
+        # than on a strided half (8x for the norm). The product that writes Q comes after the last read of G.
+        G = Q.view(-1)[: Q.numel() // 2].view(n, d, r)
+        torch._foreach_copy_(blocks(P[..., :r]), expert_views(bucket_points))
+        torch._foreach_copy_(blocks(P[..., r:]), expert_views(bucket_moments))
+        torch._foreach_copy_(blocks(G), expert_views([g for _, g in bucket]))  # in the compute dtype
+        norms.append(torch.linalg.vector_norm(G.view(n, -1), dim=-1))  # (n,) inf/nan iff some entry is
+        G.nan_to_num_(0.0, 0.0, 0.0)  # keeps the Gram matrices finite; a skipped matrix keeps m_t: m + 0·(G − m)
+        params += bucket_params
+        states += bucket_states
+        points.append(bucket_points)
+        moments.append(bucket_moments)
+        buffers.append((P, Q, G))
+
+    counts_per_matrix = [P.shape[0] for P, _, _ in buffers]
+    N = sum(counts_per_matrix)
+    grad_sq = torch.cat(norms).square()  # (N,) of the local rows
+
+    def stacked(key: str) -> torch.Tensor:  # (N,)
+        return torch.stack([s[key] for s in states]).reshape(N)
+
+    step, v = stacked("step"), stacked("exp_avg_sq")
+    counts = torch.stack((stacked("skipped_steps"), stacked("reprojections")))  # (2, N)
+    gram = torch.empty((N, 2 * r, 2 * r), dtype=dtype, device=device)
+    grams = gram.split(counts_per_matrix)
+    if sharded:
+        # A skip (a non-finite ‖G‖² on any rank) is only known after the all-reduce: m_{t+1} is formed for every
+        # matrix, and m_t kept for the skipped ones.
+        old_moments = [P[..., r:].clone() for P, _, _ in buffers]
+        for (P, _, G), out in zip(buffers, grams):
+            P[..., r:].lerp_(G, constants.lerp_weight)
+            torch.bmm(P.mT, P, out=out)  # of the local rows
+        sums = torch.cat((gram.reshape(N, -1), grad_sq[:, None]), dim=1)  # (N, 4r² + 1): one all-reduce
+        _all_reduce(sums, reduce_groups)
+        gram, grad_sq = sums[:, :-1].reshape(N, 2 * r, 2 * r), sums[:, -1]
+        finite = grad_sq < math.inf  # (N,) the same on every rank
+    else:
+        finite = grad_sq < math.inf  # False for inf and nan (one op, where isfinite takes four)
         weight = torch.where(finite, constants.lerp_weight, constants.zero)[:, None, None]  # (N, 1, 1)
-        for (start, stop), P, G in zip(self.rows, current, staged):
-            P[..., r:].lerp_(G, weight[start:stop])  # m_{t+1} = β1 m_t + (1 − β1) G, in place
-            torch.bmm(P.mT, P, out=self.gram[start:stop])  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
-        delta = _cayley_adam_deltas(
-            self.gram,
-            grad_sq,
-            finite,
-            self.step_count,
-            self.exp_avg_sq,
-            self.counts,
-            self.reprojection,
-            group,
-            periodic,
-            constants,
-        )
-        for (start, stop), P, Q in zip(self.rows, current, free):
-            torch.baddbmm(P, P, delta[start:stop], out=Q)  # [B_{t+1}, m_{t+1}] = [B_t, m] (I + Δ)
-        self.parity = 1 - self.parity
-        self._point(state)
-        low = [(p, point) for p, point, is_low in zip(self.params, self.points, self.low_precision) if is_low]
-        if low:
-            torch._foreach_copy_([_local(p) for p, _ in low], [point for _, point in low])
+        for (P, _, G), out, w in zip(buffers, grams, weight.split(counts_per_matrix)):
+            P[..., r:].lerp_(G, w)  # m_{t+1} = β1 m_t + (1 − β1) G
+            torch.bmm(P.mT, P, out=out)  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
+    T = constants.eye.repeat(N, 1, 1)
+    delta = _cayley_adam_deltas(gram, grad_sq, finite, step, v, counts, T, group, periodic, constants)
+    for index, ((P, Q, _), bucket_delta) in enumerate(zip(buffers, delta.split(counts_per_matrix))):
+        torch.baddbmm(P, P, bucket_delta, out=Q)  # [B_{t+1}, m_{t+1}] = [B_t, m] (I + Δ)
+        B_next, m_next = Q[..., :r], Q[..., r:]
+        if sharded:
+            skipped = ~finite.split(counts_per_matrix)[index][:, None, None]
+            m_next = torch.where(skipped, old_moments[index], m_next)
+        torch._foreach_copy_(expert_views(points[index]), blocks(B_next))
+        torch._foreach_copy_(expert_views(moments[index]), blocks(m_next))
+    low_precision = [(_local(p), _local(s["master"])) for p, s in zip(params, states) if "master" in s]
+    if low_precision:
+        torch._foreach_copy_([p for p, _ in low_precision], [m for _, m in low_precision])  # the master rounded
+    scalar_shape = () if num_experts == 1 else (num_experts,)
+    values = {"exp_avg_sq": v, "step": step, "skipped_steps": counts[0], "reprojections": counts[1]}
+    for key, value in values.items():
+        torch._foreach_copy_([s[key] for s in states], list(value.view(len(params), *scalar_shape).unbind(0)))
+
+
+def _keeps_scratch(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and not (FakeTensor is not None and isinstance(t, FakeTensor))
 
 
 class _Constants:
-    """The small constant tensors of the step for one r, dtype, device and betas, made once per stack."""
+    """The small constant tensors of the step for one r, dtype, device and betas, made once per optimizer."""
 
     def __init__(self, r: int, dtype: torch.dtype, device: torch.device, betas: tuple[float, float]) -> None:
-        self.key = (r, dtype, device, tuple(betas))
         self.eye = torch.eye(2 * r, dtype=dtype, device=device)  # (2r, 2r)
-        self.top_left = torch.zeros((2 * r, 2 * r), dtype=torch.bool, device=device)  # the BᵀB block
-        self.top_left[:r, :r] = True
         # Factories, not torch.tensor(data, device=): that is a host-to-device copy on an accelerator.
         self.betas = torch.full((2, 1), betas[0], dtype=dtype, device=device)  # (2, 1): β1, β2
         self.betas[1] = betas[1]
@@ -562,10 +553,14 @@ class _Constants:
         self.skew_basis.diagonal(offset=-r).fill_(1.0)
 
     @classmethod
-    def get(cls, cached: _Constants | None, r: int, gram: torch.Tensor, betas: tuple[float, float]) -> _Constants:
-        if cached is not None and cached.key == (r, gram.dtype, gram.device, tuple(betas)):
-            return cached
-        return cls(r, gram.dtype, gram.device, betas)
+    def cached(
+        cls, optimizer: Optimizer, r: int, dtype: torch.dtype, device: torch.device, betas: tuple[float, float]
+    ) -> _Constants:
+        cache = optimizer.__dict__.setdefault("_fora_constants", {})
+        key = (r, dtype, device, tuple(betas))
+        if key not in cache:
+            cache[key] = cls(r, dtype, device, betas)
+        return cache[key]
 
 
 def _cayley_adam_deltas(
@@ -621,84 +616,6 @@ def _cayley_adam_deltas(
     moved = torch.baddbmm(omega[..., : z.shape[-1]], omega, z)  # Ω (e_B + z)
     delta = torch.baddbmm(torch.addcmul(constants.neg_eye, T, constants.left), T, torch.cat((z, moved), dim=-1))
     return torch.where(finite[:, None, None], delta, constants.zero)  # a skipped matrix: B and m stay bit for bit
-
-
-def _scratch_bucket_step(
-    state: dict[torch.Tensor, dict[str, Any]],
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    group: dict[str, Any],
-    periodic: bool,
-    reduce_groups: tuple,
-) -> None:
-    """The step for matrices whose storage FoRA does not own as a stack: DTensor shards (FSDP2) and the interleaved
-    expert blocks of a fused-MoE lora_B. They are copied into a (n, d, 2r) buffer and back; otherwise the step is
-    the stacked one. A sum over rows is all-reduced over ``reduce_groups`` (none for plain tensors), once.
-    """
-    num_experts = group.get("num_experts", 1)
-    states = [state[p] for p in params]
-    masters = [_local(s.get("master", p)) for p, s in zip(params, states)]  # (d_local, r·E) each
-    exp_avgs = [_local(s["exp_avg"]) for s in states]
-    d, r = masters[0].shape[0], masters[0].shape[1] // num_experts
-    n = len(params) * num_experts
-    dtype, device = exp_avgs[0].dtype, exp_avgs[0].device
-    sharded = bool(reduce_groups)
-    constants = _Constants(r, dtype, device, group["betas"])
-    P = torch.empty((n, d, 2 * r), dtype=dtype, device=device)  # [B, m]
-    Q = torch.empty((n, d, 2 * r), dtype=dtype, device=device)  # G, then [B_{t+1}, m_{t+1}]
-
-    # One (E, d, r) view of the stack per parameter and the matching (E, d, r) view of each parameter's tensor.
-    # With E = 1, plain (d, r) matrices: torch._foreach_copy_ then takes its fast path (2x faster on CPU).
-    def blocks(stack: torch.Tensor) -> list[torch.Tensor]:
-        return list(stack.unbind(0) if num_experts == 1 else stack.split(num_experts))
-
-    def expert_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return tensors if num_experts == 1 else [expert_blocks(t, num_experts) for t in tensors]
-
-    B, m, G = P[..., :r], P[..., r:], Q[..., r:]
-    torch._foreach_copy_(blocks(B), expert_views(masters))
-    torch._foreach_copy_(blocks(m), expert_views(exp_avgs))
-    torch._foreach_copy_(blocks(G), expert_views(grads))  # in the compute dtype
-    scalar_shape = () if num_experts == 1 else (num_experts,)
-
-    def stacked(key: str) -> torch.Tensor:  # (n,)
-        return torch.stack([s[key] for s in states]).reshape(n)
-
-    step, v = stacked("step"), stacked("exp_avg_sq")
-    counts = torch.stack((stacked("skipped_steps"), stacked("reprojections")))  # (2, n)
-    grad_sq = torch.linalg.vector_norm(G, dim=(-2, -1)).square()  # (n,) of the local rows: inf/nan iff some entry is
-    G.nan_to_num_(0.0, 0.0, 0.0)  # keeps the Gram matrices finite
-    if sharded:
-        # A skip (a non-finite ‖G‖² on any rank) is only known after the all-reduce: m_{t+1} is formed for every
-        # matrix, and m_t kept for the skipped ones.
-        m_old = m.clone()
-        m.lerp_(G, constants.lerp_weight)
-        gram = P.mT @ P  # (n, 2r, 2r) of the local rows
-        sums = torch.cat((gram.reshape(n, -1), grad_sq[:, None]), dim=1)  # (n, 4r² + 1): one all-reduce
-        _all_reduce(sums, reduce_groups)
-        gram, grad_sq = sums[:, :-1].reshape(n, 2 * r, 2 * r), sums[:, -1]
-        finite = grad_sq < math.inf  # (n,) the same on every rank
-    else:
-        finite = grad_sq < math.inf
-        m.lerp_(
-            G, torch.where(finite, constants.lerp_weight, constants.zero)[:, None, None]
-        )  # a skipped matrix keeps m_t
-        gram = P.mT @ P
-    T = constants.eye.repeat(n, 1, 1)
-    delta = _cayley_adam_deltas(gram, grad_sq, finite, step, v, counts, T, group, periodic, constants)
-    torch.baddbmm(P, P, delta, out=Q)
-    B_next, m_next = Q[..., :r], Q[..., r:]
-    if sharded:
-        m_next = torch.where(finite[:, None, None], m_next, m_old)
-
-    torch._foreach_copy_(expert_views(masters), blocks(B_next))
-    low_precision = [(_local(p), b) for p, s, b in zip(params, states, masters) if "master" in s]
-    if low_precision:
-        torch._foreach_copy_([p for p, _ in low_precision], [b for _, b in low_precision])
-    torch._foreach_copy_(expert_views(exp_avgs), blocks(m_next))
-    values = {"exp_avg_sq": v, "step": step, "skipped_steps": counts[0], "reprojections": counts[1]}
-    for key, value in values.items():
-        torch._foreach_copy_([s[key] for s in states], list(value.view(len(params), *scalar_shape).unbind(0)))
 
 
 _ADAMW_DEFAULT_LR = 1e-3  # torch.optim.AdamW's
@@ -766,13 +683,12 @@ class FoRAOptimizer(Optimizer):
             delegate.param_groups = [g for g in self.param_groups if g["stiefel"] == stiefel]
             delegate.state = self.state
 
-    def state_dict(self) -> dict[str, Any]:
-        return _standalone_state(super().state_dict())
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         _restore_fp32_state(self, state_dict)
         self._sync_delegates()
+        if True in self._delegates:
+            self._delegates[True].__dict__.pop("_fora_written", None)  # as CayleyAdam.load_state_dict
 
     def step(self, closure=None):
         loss = None

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.optim import AdamW
 
 from .config import FoRAConfig
-from .optim import CayleyAdam, _cayley_adam_group_step, fora_optimizer_parts, stiefel_step_with_gradients
+from .optim import CayleyAdam, fora_optimizer_parts, stiefel_step_with_gradients
 
 
 __all__ = [
@@ -229,10 +229,14 @@ class ZeroFoRAOptimizer(AdamW):
         """Give every rank rank 0's ``lora_B``, fp32 master and Cayley-Adam moments."""
         if not (dist.is_available() and dist.is_initialized()):
             return
-        tensors = self.stiefel.state_tensors()  # contiguous (lora_B and its moments are views into stacks)
+        tensors = self.stiefel.state_tensors()
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         for tensor in tensors:
-            dist.broadcast(tensor, src=src, group=self.process_group)
+            # A collective writes only into contiguous memory; the step's own state always is, a lora_B may not be.
+            buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+            dist.broadcast(buffer, src=src, group=self.process_group)
+            if buffer is not tensor:
+                tensor.copy_(buffer)
 
     def stiefel_state_dict(self) -> dict[str, Any]:
         """The Cayley-Adam state (moments, fp32 masters, step counts), the same on every rank."""
@@ -502,7 +506,7 @@ class Zero3FoRAOptimizer(AdamW):
         cayley["lr"] = group["lr"]  # the LR schedule's value for this group
         # This group's Cayley group alone: stepping them all here would advance the other groups' step counts
         # (and so their periodic QR) once per sub-group.
-        _cayley_adam_group_step(self.stiefel, cayley, grads)
+        stiefel_step_with_gradients(self.stiefel, grads, groups=[cayley])
         offset = 0
         for p, size in zip(params, sizes):
             new = self._full[p].reshape(-1)

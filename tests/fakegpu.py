@@ -36,7 +36,7 @@ PINNED_API = {
     "torch.utils.backend_registration._setup_privateuseone_for_python_backend": ("rename", "backend_module"),
     "torch._subclasses.fake_tensor.FakeTensor.__new__": ("fake_mode", "elem", "device"),
 }
-SCENARIOS = ("optimizer_step", "lora_forward_backward", "fisher", "fora_logs")
+SCENARIOS = ("optimizer_step", "optimizer_moved_after_a_step", "lora_forward_backward", "fisher", "fora_logs")
 FISHER_MODES = [(params, grad) for params in ("layer", "targets") for grad in ("auto", "activations")]
 INJECTIONS = ("eye_without_device", "adamw_not_fused")
 FUSED = True  # FoRAOptimizer's AdamW part: fused, every state on the device
@@ -157,6 +157,33 @@ def optimizer_step(mode: FakeTensorMode, device: torch.device) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     assert len(optimizer.state) == sum(p.requires_grad for p in model.parameters())
+    misplaced = misplaced_states(optimizer)
+    assert not misplaced, f"optimizer states off their parameter's device: {misplaced}"
+
+
+def optimizer_moved_after_a_step(mode: FakeTensorMode, device: torch.device) -> None:
+    """Cayley-Adam steps lora_B on the CPU, then lora_B moves to the device and takes 3 more steps: it stays there,
+    and so does all its state. (``model.to(device)`` keeps each Parameter object and gives it new data on the device;
+    a fake CPU tensor cannot take fake device data in place, so the test hands the optimizer's groups and state to
+    new Parameters on the device, which is what the optimizer then sees.)"""
+    from fora_plugin import CayleyAdam
+
+    cpu = torch.device("cpu")
+    params = [torch.nn.Parameter(on_device(mode, torch.empty(32, 4), cpu)) for _ in range(2)]
+    with mode:
+        optimizer = CayleyAdam(params, lr=1e-2)
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        optimizer.step()
+        moved = [torch.nn.Parameter(p.detach().to(device)) for p in params]
+        for p, q in zip(params, moved):
+            optimizer.state[q] = optimizer.state.pop(p)
+        optimizer.param_groups[0]["params"] = moved
+        for _ in range(3):
+            for p in moved:
+                p.grad = torch.randn(p.shape, device=device)
+            optimizer.step()
+    assert all(p.device == device for p in moved), [p.device for p in moved]
     misplaced = misplaced_states(optimizer)
     assert not misplaced, f"optimizer states off their parameter's device: {misplaced}"
 

@@ -517,26 +517,26 @@ class AtenOps(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_lora_b_and_its_first_moment_are_views_of_one_stack_and_the_step_copies_neither():
-    params = stiefel_params([(48, 4), (48, 4), (48, 4), (20, 4)], seed=50)
-    opt = CayleyAdam(params, lr=0.02)
+def test_every_lora_b_and_moment_owns_its_storage_and_keeps_its_address_through_steps():
+    # bf16 and expert lora_B too: their fp32 masters and interleaved blocks are copied in and out as well.
     gen = torch.Generator().manual_seed(51)
-    set_random_grads(params, gen)
-    opt.step()
-    storages = {p.untyped_storage().data_ptr() for p in params[:3]}
-    moments = {opt.state[p]["exp_avg"].untyped_storage().data_ptr() for p in params[:3]}
-    assert len(storages) == 1 and storages == moments  # one (3, 48, 8) buffer holds the three B and m
-    assert params[3].untyped_storage().data_ptr() not in storages  # another shape, another bucket
-    set_random_grads(params, gen)
-    with AtenOps() as ops:
+    params = stiefel_params([(48, 4), (48, 4), (48, 4), (20, 4)], seed=50)
+    params += stiefel_params([(48, 4)], seed=49, dtype=torch.bfloat16)
+    experts = torch.nn.Parameter(interleave([random_stiefel(16, 2, generator=gen) for _ in range(3)]))
+    opt = CayleyAdam([{"params": params}, {"params": [experts], "num_experts": 3}], lr=0.02)
+    everything = params + [experts]
+    addresses = [p.data_ptr() for p in everything]
+    for _ in range(5):
+        set_random_grads(everything, gen)
         opt.step()
-    # Per bucket one copy: the gradients into the stack. B and m are read in place and written by the product.
-    assert ops.names.count("_foreach_copy_") == 2, ops.names
-    assert not [size for name, size in zip(ops.names, ops.sizes) if name == "copy_" and size >= 20 * 4]
-    assert all(torch.equal(p, opt.state[p]["exp_avg"].new_tensor(p.detach())) for p in params)
+    assert [p.data_ptr() for p in everything] == addresses
+    tensors = everything + [t for p in everything for t in opt.state[p].values()]
+    storages = [t.untyped_storage() for t in tensors]
+    assert len({s.data_ptr() for s in storages}) == len(tensors)  # no tensor shares another one's storage
+    assert all(s.nbytes() == t.numel() * t.element_size() for s, t in zip(storages, tensors))  # nor holds more
 
 
-def test_the_stacked_step_follows_the_old_step_and_loads_state_saved_by_it():
+def test_the_step_follows_the_old_step_and_loads_state_saved_by_it():
     # fp64: both steps are exact, so they agree to rounding; the old step saved plain (d, r) tensors.
     Reference = reference_optimizer_class()
     shapes = [(40, 4), (40, 4), (16, 2)]
@@ -570,7 +570,6 @@ def test_the_stacked_step_follows_the_old_step_and_loads_state_saved_by_it():
     for index, q in enumerate(twins):
         exp_avg = saved[index]["exp_avg"]
         assert exp_avg.is_contiguous() and exp_avg.untyped_storage().nbytes() == q.numel() * 8
-        assert exp_avg.data_ptr() != new.state[q]["exp_avg"].data_ptr()  # a copy, not the live stack
 
 
 def test_a_parameter_without_a_gradient_or_replaced_storage_keeps_its_point_and_state():
@@ -665,7 +664,8 @@ def test_state_tensors_are_contiguous_and_carry_the_whole_state():
     runs = []
     for seed in (61, 62):
         low = [torch.nn.Parameter(p.detach().contiguous()) for p in stiefel_params([(24, 3)], seed, torch.bfloat16)]
-        params = stiefel_params(shapes, seed=seed) + low  # a bf16 lora_B: its fp32 master is stacked
+        # Row-major, as PEFT's lora_B weights are; a bf16 lora_B sends its fp32 master too.
+        params = [torch.nn.Parameter(p.detach().contiguous()) for p in stiefel_params(shapes, seed=seed)] + low
         opt = CayleyAdam(params, lr=0.05)
         for _ in range(2):
             set_random_grads(params, gen)
@@ -696,3 +696,143 @@ def test_the_stacked_step_runs_on_fake_and_meta_tensors():
                     p.grad = torch.randn(64, 4, device=device)
                 opt.step()
             assert opt.state[params[0]]["exp_avg"].shape == (64, 4)
+
+
+# ---- every lora_B owns its storage: what PyTorch, PEFT, Accelerate and safetensors assume --------------------------
+
+
+def peft_llama(r=4, layers=(1, 3), dtype=torch.float32, **sizes):
+    from conftest import TARGETS, tiny_llama
+    from peft import LoraConfig, get_peft_model
+
+    from fora_plugin import make_stiefel
+
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS, layers_to_transform=list(layers))
+    model = get_peft_model(tiny_llama(num_layers=4, **sizes).train(), config).to(dtype)
+    make_stiefel(model, generator=torch.Generator().manual_seed(0))
+    return model
+
+
+def token_batch(step, vocab=96):
+    ids = torch.randint(3, vocab, (2, 16), generator=torch.Generator().manual_seed(200 + step))
+    return {"input_ids": ids, "labels": ids}
+
+
+def lora_b(model):
+    return [p for n, p in model.named_parameters() if "lora_B" in n]
+
+
+def train(model, optimizer, steps, first=0):
+    for step in range(first, first + steps):
+        model(**token_batch(step)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_accelerate_save_state_keeps_every_lora_b_and_resumes_in_a_fresh_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    script = Path(__file__).resolve().parent / "accelerate_resume.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parents[1])}
+    logs = ""
+    for mode in ("run", "resume"):
+        result = subprocess.run(
+            [sys.executable, str(script), mode, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        logs += result.stdout + result.stderr
+    assert "Removed shared tensor" not in logs
+    with safe_open(tmp_path / "checkpoint" / "model.safetensors", "pt") as saved:
+        saved_lora_b = [key for key in saved.keys() if "lora_B" in key]
+    assert len(saved_lora_b) == 10  # q, k, v, up, down on layers 1 and 3
+    uninterrupted, resumed = torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "resume.pt")
+    assert uninterrupted.keys() == resumed.keys()
+    assert max((uninterrupted[k] - resumed[k]).abs().max().item() for k in uninterrupted) <= 1e-6
+
+
+def test_safetensors_and_torch_save_write_the_adapter_and_nothing_else(tmp_path):
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file, save_file, save_model
+
+    model = peft_llama(r=8, hidden_size=64, intermediate_size=128)
+    model.save_pretrained(tmp_path / "before", safe_serialization=False)  # plain parameters, no optimizer yet
+    train(model, build_optimizer(model), steps=2)
+    save_model(model, str(tmp_path / "model.safetensors"))
+    whole = load_file(str(tmp_path / "model.safetensors"))
+    named = dict(model.named_parameters())
+    assert all(torch.equal(whole[name], p) for name, p in named.items() if "lora_B" in name)
+    adapter = get_peft_model_state_dict(model)
+    save_file(adapter, str(tmp_path / "adapter.safetensors"))
+    loaded = load_file(str(tmp_path / "adapter.safetensors"))
+    assert loaded.keys() == adapter.keys() and all(torch.equal(loaded[k], v) for k, v in adapter.items())
+    # The size torch.save writes for standalone copies of the same tensors is the adapter's own size. (Same file
+    # names: torch.save's archive names its records after the file.)
+    for folder, tensors in (("live", adapter), ("standalone", {k: v.clone() for k, v in adapter.items()})):
+        (tmp_path / folder).mkdir()
+        torch.save(tensors, tmp_path / folder / "adapter.pt")
+    size, standalone = ((tmp_path / folder / "adapter.pt").stat().st_size for folder in ("live", "standalone"))
+    assert abs(size / standalone - 1) <= 0.01, (size, standalone)
+    model.save_pretrained(tmp_path / "after", safe_serialization=False)
+    before, after = ((tmp_path / name / "adapter_model.bin").stat().st_size for name in ("before", "after"))
+    assert abs(after / before - 1) <= 0.01, (after, before)
+
+
+def build_optimizer(model):
+    from fora_plugin import build_fora_optimizer
+
+    return build_fora_optimizer(model, lr=1e-2, lr_stiefel=5e-2)
+
+
+@pytest.mark.parametrize("to", [torch.bfloat16, torch.float32])
+def test_a_cast_after_a_step_is_kept_and_the_next_steps_stay_on_the_manifold(to):
+    # bf16 after fp32 steps: lora_B stays bf16 with an fp32 master; fp32 after bf16 steps: lora_B is its own point.
+    start = torch.float32 if to == torch.bfloat16 else torch.bfloat16
+    model = peft_llama(dtype=start)
+    optimizer = CayleyAdam(lora_b(model), lr=5e-2)
+    train(model, optimizer, steps=1)
+    model.to(to)
+    train(model, optimizer, steps=3, first=1)  # the forward runs: every lora_B has the model's dtype
+    for p in lora_b(model):
+        assert p.dtype == to
+        state = optimizer.state[p]
+        assert ("master" in state) == (to == torch.bfloat16)
+        assert orthogonality_error(state.get("master", p).float()) < 1e-3
+        assert state["exp_avg"].dtype == torch.float32 and int(state["step"]) == 4
+    if to == torch.float32:  # the master's precision came back with the cast, not bf16's
+        assert max(orthogonality_error(p) for p in lora_b(model)) < 1e-5
+
+
+def test_a_move_to_another_device_after_a_step_is_followed_by_the_state():
+    # tests/fakegpu.py: after a step on the CPU, lora_B moves to the stand-in accelerator; 3 more steps there.
+    from test_device_placement import run_fakegpu
+
+    report = run_fakegpu("optimizer_moved_after_a_step")
+    assert report["optimizer_moved_after_a_step"]["ok"], report["optimizer_moved_after_a_step"]["error"]
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_a_lora_b_loaded_in_place_mid_run_is_where_the_next_step_starts(kind):
+    # lr 0 and no re-projection: the step leaves B where it starts, so B after it is the point it started from.
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    holder = torch.nn.ParameterList(stiefel_params([(32, 4), (32, 4), (12, 4)], seed=70, dtype=dtype))
+    optimizer = CayleyAdam(list(holder), lr=5e-2)
+    gen = torch.Generator().manual_seed(71)
+    for _ in range(3):
+        set_random_grads(list(holder), gen)
+        optimizer.step()
+    loaded = [p.to(dtype) for p in stiefel_params([(32, 4), (32, 4), (12, 4)], seed=72)]
+    holder.load_state_dict({str(i): value for i, value in enumerate(loaded)})  # copies in place
+    for group in optimizer.param_groups:
+        group.update(lr=0.0, reproject_threshold=1e9)
+    set_random_grads(list(holder), gen)
+    optimizer.step()
+    for p, value in zip(holder, loaded):
+        point = optimizer.state[p].get("master", p).float()
+        ulp = torch.finfo(dtype).eps * value.float().abs()  # one ulp of each loaded value (its spacing at 1: eps)
+        assert torch.all((point - value.float()).abs() <= ulp), (point - value.float()).abs().max()
+        assert torch.equal(p, value)
