@@ -1,0 +1,950 @@
+"""FoRA on one GPU in one command (issue 26): markdown tables on stdout, one JSON file naming the GPU, the driver and
+every package version.
+
+Sections, each through the package's own code, each recorded in the JSON as ``ok``, ``skipped`` (with the reason)
+or ``error`` (with the traceback's end) so that one failure loses nothing else:
+
+a. ``step_time``: the paper's efficiency table (bench/step_time.py): LLaMA-3.2-3B from the bundled config, random
+   bf16 weights, batch 16 x 256, LoRA r 32 on q/k/v/up/down through FoRASFTTrainer; lora (all layers), fg-lora and
+   fora on the top half and on every second layer, checkpointing off and on; ms/step, max_memory_allocated/reserved,
+   the ratios beside the paper's figures, and the torch profiler's top kernels of the ckpt-off top-half rows.
+b. ``plan``: ``fora plan`` (``fora_plugin.plan.plan``, in a child process that runs beside the GPU sections on the
+   other half of the CPU cores) of the same settings, against the measured peaks of every row, scoring included.
+c. ``scoring``: Fisher scoring of 8 batches as FoRASFTTrainer runs it (its batches, loss, checkpointing, autocast):
+   time, and peak memory against the step's and the plan's.
+d. ``host_syncs``: ``torch.cuda.set_sync_debug_mode`` around 10 steps of the trainer's FoRA optimizer (fused AdamW on
+   lora_A, Cayley-Adam on lora_B) and around one FoRALogs log; fora_plugin.host_sync's counter on any device.
+e. ``optimizer``: bench/optimizer.py's Cayley-Adam against fused and foreach AdamW (the LLaMA-3.1-8B lora_B sets at
+   r 32 and 16, the Qwen3-30B-A3B experts, and the dense d x d step).
+f. ``qfora``: the 3B config saved with random bf16 weights, loaded as NF4 by bitsandbytes on the GPU, scored on 8
+   batches and trained 10 steps: step time, peak memory against the plan, max ‖BᵀB − I‖.
+g. ``cli_train``: ``fora train`` through the command line on a 4-layer random Llama saved to a folder (with the
+   tests' character tokenizer), the bundled Alpaca sample, bf16 with checkpointing: the loss falls, the adapter is
+   saved, and PeftModel.from_pretrained reloads it to the logits its saved weights give.
+
+    python bench/gpu.py --device cuda --out "$OUT"      # one H100/H200: about 5 minutes
+    python bench/gpu.py --device cpu --tiny            # every section at tiny shapes; CUDA-only parts skipped
+
+bench/gpu_wheels.sh fetches the wheels the device image lacks and shows the one device command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import importlib.metadata
+import io
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+import step_time  # noqa: E402  (bench/step_time.py: the rows of (a), and the trainers of (c), (d), (f))
+from step_time import GIB, REPO, TARGETS, Setting  # noqa: E402
+
+
+SECTIONS = ("step_time", "host_syncs", "scoring", "optimizer", "cli_train", "qfora", "plan")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "trl",
+    "peft",
+    "accelerate",
+    "datasets",
+    "bitsandbytes",
+    "tokenizers",
+    "safetensors",
+    "huggingface-hub",
+    "numpy",
+    "pyarrow",
+    "pandas",
+    "fsspec",
+    "regex",
+)
+# The paper's efficiency table (LLaMA-3.2-3B, batch 16 x 256, bf16, one H200) and issue 26's goals.
+PAPER = {"lora_ms": 97.5, "lora_gb": 15.32, "half_ms": 67.1, "half_gb": 12.45, "half_over_lora": 0.688}
+GOALS = {"fora_over_lora": 0.72, "fora_over_fg_lora": 1.10, "plan_error": 0.05, "drift": 1e-3}
+ALPACA = REPO / "example_configs" / "data" / "alpaca_en_demo.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """The shapes and counts of a run: the GPU's (the paper's) or the tiny CPU smoke test's."""
+
+    setting: Setting
+    warmup: int
+    steps: int
+    fisher_batches: int
+    profile_steps: int
+    profile_modes: tuple[str, ...]  # the modes whose ckpt-off top-half (lora: all-layer) row is profiled
+    sync_steps: int
+    optimizer_sets: list  # bench/optimizer.py's (name, {d_out: count}, r, experts)
+    optimizer_rounds: int
+    dense_step: bool  # bench/optimizer.py's d x d reference step (minutes on a CPU)
+    cli_steps: int
+    cli_hidden: int
+    cli_batch: int
+    cli_bf16: bool  # bf16 autocast is the GPU's; on a CPU it is emulated and slow
+
+
+def gpu_scale() -> Scale:
+    import optimizer as optimizer_bench
+
+    return Scale(
+        step_time.SETTINGS["llama-3.2-3b"],
+        warmup=3,
+        steps=10,
+        fisher_batches=8,
+        profile_steps=3,
+        profile_modes=step_time.MODES,
+        sync_steps=10,
+        optimizer_sets=optimizer_bench.SETS,
+        optimizer_rounds=10,
+        dense_step=True,
+        cli_steps=40,
+        cli_hidden=256,
+        cli_batch=8,
+        cli_bf16=True,
+    )
+
+
+def tiny_scale() -> Scale:
+    return Scale(
+        step_time.SETTINGS["tiny"],
+        warmup=1,
+        steps=1,
+        fisher_batches=2,
+        profile_steps=1,
+        profile_modes=("fora",),
+        sync_steps=10,
+        optimizer_sets=[("tiny lora_B set, r=8", {256: 4, 64: 4}, 8, 1), ("tiny experts, r=4", {64: 2}, 4, 4)],
+        optimizer_rounds=2,
+        dense_step=False,
+        cli_steps=8,
+        cli_hidden=64,
+        cli_batch=4,
+        cli_bf16=False,
+    )
+
+
+class Skipped(Exception):
+    """A section that cannot run here (the reason is its message)."""
+
+
+def needs_cuda(device: torch.device, what: str) -> None:
+    if device.type != "cuda":
+        raise Skipped(f"skipped: needs CUDA ({what})")
+
+
+def python_path() -> str:
+    """PYTHONPATH for a child process: the repository first (fora_plugin need not be installed), then the caller's
+    (the device's wheels in /tmp/site)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+
+
+def gib(nbytes: int | None) -> str:
+    return "—" if nbytes is None else f"{nbytes / GIB:.2f}"
+
+
+def size(nbytes: int | None) -> str:
+    """GiB, or MiB below a tenth of one (the tiny mode's sizes)."""
+    if nbytes is None:
+        return "—"
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
+
+
+# --------------------------------------------------------------------------------------------------- environment
+def environment(device: torch.device) -> dict[str, Any]:
+    import fora_plugin
+
+    info: dict[str, Any] = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "fora_plugin": fora_plugin.__version__,
+        "packages": {},
+        "device": str(device),
+    }
+    for name in PACKAGES:
+        try:
+            info["packages"][name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            info["packages"][name] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            gpu=props.name,
+            gpu_memory_bytes=props.total_memory,
+            multiprocessors=props.multi_processor_count,
+            compute_capability=f"{props.major}.{props.minor}",
+            cuda_runtime=torch.version.cuda,
+        )
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            query = ["nvidia-smi", "--query-gpu=driver_version,name,memory.total", "--format=csv,noheader"]
+            info["nvidia_smi"] = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
+            info["driver"] = info["nvidia_smi"].split(",")[0].strip() or None
+    return info
+
+
+# ---------------------------------------------------------------------------------------------- (a) step time
+def section_step_time(ctx: Run) -> dict[str, Any]:
+    gpu = ctx.device.type == "cuda"
+
+    def profile(mode: str, placement: str, checkpointing: bool) -> int:
+        # Where the time goes in the rows the goals are about: ckpt off, top half (lora: all layers).
+        wanted = mode in ctx.scale.profile_modes and not checkpointing and placement in ("all", "top half")
+        return ctx.scale.profile_steps if wanted else 0
+
+    ctx.rows = []
+    ctx.partial["step_time"] = {"rows": ctx.rows}  # kept if a later row fails
+
+    def on_row(row: dict[str, Any]) -> None:
+        ctx.rows.append(row)
+        ctx.log(
+            f"  {row['mode']} {row['placement']} ckpt {'on' if row['checkpointing'] else 'off'}: "
+            f"{row['ms_per_step']:.1f} ms/step, {gib(row['max_memory_allocated'])} GiB allocated"
+        )
+
+    rows = step_time.measure_all(
+        ctx.scale.setting,
+        ctx.device,
+        warmup=ctx.scale.warmup,
+        steps=ctx.scale.steps,
+        profile=profile,
+        live_memory=not gpu,  # on the CPU the measured side of (b) is the storage tracker's peak
+        on_row=on_row,
+    )
+    ratios = {}
+    for ckpt in (False, True):
+        lora, fg, fora = (step_time.find_row(rows, m, "top half", ckpt) for m in step_time.MODES)
+        key = "checkpointing_on" if ckpt else "checkpointing_off"
+        ratios[key] = {
+            "fora_over_lora": fora["ms_per_step"] / lora["ms_per_step"],
+            "fora_over_fg_lora": fora["ms_per_step"] / fg["ms_per_step"],
+            "fg_lora_over_lora": fg["ms_per_step"] / lora["ms_per_step"],
+        }
+    off = ratios["checkpointing_off"]
+    goals = {
+        name: {"value": off[name], "goal": GOALS[name], "met": off[name] <= GOALS[name]}
+        for name in ("fora_over_lora", "fora_over_fg_lora")
+    }
+    text = [
+        step_time.describe(ctx.scale.setting, ctx.device, ctx.scale.warmup, ctx.scale.steps),
+        "",
+        step_time.format_ratio_table(rows),
+        "",
+        step_time.format_rows(rows),
+        "",
+        paper_table(rows, goals),
+    ]
+    for r in rows:
+        if "profile" in r:
+            text += ["", f"Top kernels, {r['mode']} ({r['placement']}, ckpt off), {r['profile_steps']} steps:", "```"]
+            text += [r["profile"], "```"]
+    return {"rows": rows, "ratios": ratios, "goals": goals, "text": "\n".join(text)}
+
+
+def paper_table(rows: list[dict[str, Any]], goals: dict[str, Any]) -> str:
+    """The paper's figures beside this run's (checkpointing off, the top half for the half-layer rows)."""
+    lora, fg, fora = (step_time.find_row(rows, m, "top half", False) for m in step_time.MODES)
+
+    def gb(row):  # the paper's GB; decimal and binary both shown, the paper does not say which
+        nbytes = row["max_memory_allocated"]
+        return "—" if nbytes is None else f"{nbytes / 1e9:.2f} GB ({nbytes / GIB:.2f} GiB)"
+
+    lines = [
+        "| checkpointing off | paper (H200) | this run |",
+        "|---|---:|---:|",
+        f"| LoRA, all layers: ms/step | {PAPER['lora_ms']} | {lora['ms_per_step']:.1f} |",
+        f"| LoRA, all layers: max allocated | {PAPER['lora_gb']} GB | {gb(lora)} |",
+        f"| LoRA on half the layers (fg-lora, top half): ms/step | {PAPER['half_ms']} | {fg['ms_per_step']:.1f} |",
+        f"| LoRA on half the layers: max allocated | {PAPER['half_gb']} GB | {gb(fg)} |",
+        f"| half / all | {PAPER['half_over_lora']} | {fg['ms_per_step'] / lora['ms_per_step']:.3f} |",
+        f"| fora: ms/step | — | {fora['ms_per_step']:.1f} |",
+        f"| fora: optimizer step + scheduler + zero_grad, ms | — | {fora['ms_optimizer']:.2f} |",
+        f"| fg-lora: optimizer step + scheduler + zero_grad, ms | 1.8 (optimizer) | {fg['ms_optimizer']:.2f} |",
+    ]
+    for name, label in (("fora_over_lora", "fora / lora"), ("fora_over_fg_lora", "fora / fg-lora")):
+        g = goals[name]
+        verdict = "met" if g["met"] else f"missed by {100 * (g['value'] / g['goal'] - 1):.1f}%"
+        paper = "0.688 (half / all)" if name == "fora_over_lora" else "1.10-1.15"
+        lines.append(f"| {label} (goal ≤ {g['goal']}) | {paper} | **{g['value']:.3f}**: {verdict} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- (b) plan
+def plan_configs(ctx: Run) -> dict[str, dict[str, Any]]:
+    """The `fora train` configs `fora plan` reads: the step-time settings, and QFoRA's on a GPU."""
+    s = ctx.scale.setting
+    if s.name == step_time.SETTINGS["llama-3.2-3b"].name:
+        model = "meta-llama/Llama-3.2-3B"  # the bundled config.json
+    else:
+        model = str(ctx.tmp / "plan_model")
+        s.model_config().save_pretrained(model)
+    base = {
+        "model_name_or_path": model,
+        "dtype": "bfloat16" if s.bf16 else "float32",
+        "bf16": s.bf16,
+        "lora_r": s.lora_r,
+        "lora_alpha": s.lora_alpha,
+        "lora_dropout": 0.0,
+        "lora_target_modules": list(TARGETS),
+        "fora_mode": "fora",
+        "fora_fisher_batches": ctx.scale.fisher_batches,
+        "per_device_train_batch_size": s.batch_size,
+        "max_length": s.seq_len,
+        "learning_rate": 2e-4,
+        "weight_decay": 0.01,
+        "report_to": "none",
+    }
+    top = step_time.placements(s.model_config().num_hidden_layers)["top half"]
+    configs = {}
+    for ckpt in (False, True):
+        on = "on" if ckpt else "off"
+        # Without fora_layers the plan scores and places the K layers every (L/K)-th from 0: "every 2nd".
+        configs[f"ckpt {on}, scoring + every 2nd"] = {**base, "activation_checkpointing": ckpt}
+        configs[f"ckpt {on}, top half"] = {**base, "activation_checkpointing": ckpt, "fora_layers": top}
+    if ctx.device.type == "cuda":
+        configs["qfora, ckpt on"] = {**base, **QFORA_KEYS, "activation_checkpointing": True}
+    return configs
+
+
+QFORA_KEYS = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "use_bnb_nested_quant": True}
+
+
+def start_plans(ctx: Run) -> None:
+    """Start `fora plan` of every config in a child process, on the other half of the cores where there are many."""
+    import yaml
+
+    configs = plan_configs(ctx)
+    paths = {}
+    for i, (name, config) in enumerate(configs.items()):
+        folder = ctx.tmp / f"plan{i}"
+        folder.mkdir()
+        config["output_dir"] = str(folder / "out")
+        paths[name] = str(folder / "config.yaml")
+        Path(paths[name]).write_text(yaml.safe_dump(config))
+    spec = ctx.tmp / "plans.json"
+    gpu_memory = torch.cuda.get_device_properties(ctx.device).total_memory / GIB if ctx.device.type == "cuda" else None
+    spec.write_text(json.dumps({"configs": paths, "gpu_memory": gpu_memory}))
+    ctx.plan_result = ctx.tmp / "plans_out.json"
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": python_path()}
+    preexec = None
+    if len(cpus) >= 8:
+        # The GPU sections are launch-bound on one host thread: keep the plans off their cores.
+        half = len(cpus) // 2
+        os.sched_setaffinity(0, cpus[:half])
+        torch.set_num_threads(half)
+        env["OMP_NUM_THREADS"] = str(len(cpus) - half)
+
+        def preexec():
+            os.sched_setaffinity(0, cpus[half:])
+
+    # Its output goes to a file: a pipe nobody reads until the end could fill up and stop it.
+    ctx.plan_log = ctx.tmp / "plans.log"
+    with open(ctx.plan_log, "w") as log:
+        ctx.plan_process = subprocess.Popen(
+            [sys.executable, __file__, "--_plans", str(spec), "--_plans-out", str(ctx.plan_result)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=preexec,
+        )
+
+
+def run_plans(spec_path: str, out_path: str) -> int:
+    """The child process: fora plan of every config, each one's plan.json content (or its error)."""
+    from fora_plugin.plan import plan
+
+    spec = json.loads(Path(spec_path).read_text())
+    out = {}
+    for name, config in spec["configs"].items():
+        started = time.perf_counter()
+        try:
+            text, payload = plan(config, [], gpu_memory=spec["gpu_memory"])
+            out[name] = {"plan": payload, "text": text, "seconds": time.perf_counter() - started}
+        except Exception:  # noqa: BLE001  (one failed plan must not lose the others)
+            out[name] = {"error": traceback.format_exc(limit=-8)}
+        Path(out_path).write_text(json.dumps(out))
+    return 0
+
+
+def section_plan(ctx: Run) -> dict[str, Any]:
+    if ctx.plan_process is None:
+        raise RuntimeError("the plan process was not started")
+    try:
+        ctx.plan_process.wait(timeout=max(30.0, ctx.remaining()))
+    except subprocess.TimeoutExpired:
+        ctx.plan_process.kill()
+        ctx.plan_process.wait()
+    plans = json.loads(ctx.plan_result.read_text()) if ctx.plan_result.exists() else {}
+    if not plans:
+        output = ctx.plan_log.read_text()
+        raise RuntimeError(f"fora plan wrote nothing; its output ended with:\n{output[-3000:]}")
+    gpu = ctx.device.type == "cuda"
+    measured_key = "max_memory_allocated" if gpu else "live_peak_bytes"
+    comparisons = []
+
+    def compare(what: str, plan_name: str, mode: str, phase: str, measured: int | None) -> None:
+        entry = plans.get(plan_name, {})
+        planned = entry.get("plan", {}).get("phases", {}).get(mode, {}).get(phase, {}).get("peak_bytes")
+        error = None if planned is None or not measured else planned / measured - 1
+        comparisons.append(
+            {"row": what, "plan": plan_name, "planned_bytes": planned, "measured_bytes": measured, "error": error}
+        )
+
+    for r in ctx.rows or []:
+        ckpt = "on" if r["checkpointing"] else "off"
+        plan_name = f"ckpt {ckpt}, top half" if r["placement"] == "top half" else f"ckpt {ckpt}, scoring + every 2nd"
+        compare(f"{r['mode']} {r['placement']} ckpt {ckpt}: step", plan_name, r["mode"], "step", r[measured_key])
+    for s in (ctx.results.get("scoring") or {}).get("runs", []):
+        ckpt = "on" if s["checkpointing"] else "off"
+        compare(f"scoring ckpt {ckpt}", f"ckpt {ckpt}, scoring + every 2nd", "fora", "scoring", s["peak_bytes"])
+    qfora = ctx.results.get("qfora") or {}
+    if qfora.get("status") == "ok":
+        compare("qfora ckpt on: scoring", "qfora, ckpt on", "fora", "scoring", qfora["scoring_peak_bytes"])
+        compare("qfora ckpt on: step", "qfora, ckpt on", "fora", "step", qfora["max_memory_allocated"])
+    measured_label = "max_memory_allocated" if gpu else "live tensor peak (storage tracker)"
+    lines = [
+        f"| row | plan | planned | measured ({measured_label}) | plan / measured − 1 |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for c in comparisons:
+        error = "—" if c["error"] is None else f"{100 * c['error']:+.1f}%"
+        lines.append(
+            f"| {c['row']} | {c['plan']} | {size(c['planned_bytes'])} | {size(c['measured_bytes'])} | {error} |"
+        )
+    errors = [abs(c["error"]) for c in comparisons if c["error"] is not None]
+    worst = max(errors) if errors else None
+    if worst is not None:
+        verdict = "within" if worst <= GOALS["plan_error"] else "NOT within"
+        lines.append(f"\nlargest deviation {100 * worst:.1f}%: {verdict} the {100 * GOALS['plan_error']:.0f}% goal.")
+    failed = {name: p["error"] for name, p in plans.items() if "error" in p}
+    for name, error in failed.items():
+        lines.append(f"\nplan {name!r} failed:\n```\n{error}\n```")
+    for name, p in plans.items():
+        if "text" in p:
+            lines += ["", f"`fora plan` ({name}, {p['seconds']:.0f} s):", "```", p["text"], "```"]
+    return {
+        "comparisons": comparisons,
+        "largest_deviation": worst,
+        "plans": {name: p.get("plan") for name, p in plans.items()},
+        "failed": failed,
+        "text": "\n".join(lines),
+    }
+
+
+# ------------------------------------------------------------------------------------------------- (c) scoring
+def section_scoring(ctx: Run) -> dict[str, Any]:
+    from step_time import build_trainer, live_memory, release
+
+    gpu = ctx.device.type == "cuda"
+    runs = []
+    for ckpt in (False, True):
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = build_trainer(
+                ctx.scale.setting,
+                ctx.device,
+                tmp,
+                mode="fora",
+                layers=None,
+                checkpointing=ckpt,
+                max_steps=1,
+                fisher_batches=ctx.scale.fisher_batches,
+            )
+            scores = trainer.fora_selection.scores
+            peak = scores.peak_memory_bytes
+            if not gpu:
+                # No allocator counter on the CPU: score again (LoRA now on the chosen layers only) under the
+                # storage tracker that `fora plan` simulates.
+                with live_memory(trainer.model) as tracker:
+                    trainer.fora_score()
+                peak = tracker.peak
+            runs.append(
+                {
+                    "checkpointing": ckpt,
+                    "batches": scores.num_batches,
+                    "seconds": scores.seconds,
+                    "ms_per_batch": 1e3 * scores.seconds / scores.num_batches,
+                    "peak_bytes": peak,
+                    "chosen_layers": trainer.fora_selection.chosen,
+                    "scores_finite": all(math.isfinite(x) for x in scores.scores),
+                }
+            )
+            del trainer
+        release(ctx.device)
+    key = "max_memory_allocated" if gpu else "live_peak_bytes"
+    lines = [
+        "| checkpointing | batches | seconds | ms / batch | scoring peak GiB | fora step peak GiB (every 2nd) | "
+        "lora step fwd+bwd ms | chosen layers |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for run in runs:
+        step = step_time.find_row(ctx.rows or [], "fora", "every 2nd", run["checkpointing"])
+        lora = step_time.find_row(ctx.rows or [], "lora", "all", run["checkpointing"])
+        run["step_peak_bytes"] = step[key] if step else None
+        lora_ms = f"{lora['ms_forward_backward']:.1f}" if lora else "—"
+        lines.append(
+            f"| {'on' if run['checkpointing'] else 'off'} | {run['batches']} | {run['seconds']:.2f} "
+            f"| {run['ms_per_batch']:.1f} | {gib(run['peak_bytes'])} | {gib(run['step_peak_bytes'])} | {lora_ms} "
+            f"| {run['chosen_layers']} |"
+        )
+    return {"runs": runs, "text": "\n".join(lines)}
+
+
+# ---------------------------------------------------------------------------------------------- (d) host syncs
+@contextlib.contextmanager
+def cuda_sync_warnings(device: torch.device):
+    """``set_sync_debug_mode("warn")``: each synchronizing CUDA call warns; the list holds them."""
+    if device.type != "cuda":
+        yield None
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def section_host_syncs(ctx: Run) -> dict[str, Any]:
+    from step_time import build_trainer, placements, release
+
+    from fora_plugin.host_sync import HostSyncCounter
+    from fora_plugin.wiring import FoRALogs
+
+    s = ctx.scale.setting
+    steps = ctx.scale.sync_steps
+    with tempfile.TemporaryDirectory() as tmp:
+        top = placements(s.model_config().num_hidden_layers)["top half"]
+        trainer = build_trainer(s, ctx.device, tmp, mode="fora", layers=top, checkpointing=False, max_steps=1)
+        optimizer = trainer.create_optimizer()
+        fused = [g.get("fused") for g in optimizer.param_groups if not g.get("stiefel")]
+        ids = torch.randint(3, s.model_config().vocab_size, (s.batch_size, s.seq_len), device=ctx.device)
+        with trainer.accelerator.autocast():
+            loss = trainer.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        with HostSyncCounter() as first:
+            optimizer.step()  # the first step makes the state: counted apart
+        result: dict[str, Any] = {"steps": steps, "adamw_fused": fused, "first_step_counter": first.count}
+        with HostSyncCounter() as counter, cuda_sync_warnings(ctx.device) as caught:
+            for _ in range(steps):
+                optimizer.step()
+        result["counter"] = counter.count
+        result["counter_report"] = counter.report()
+        result["cuda_warn"] = None if caught is None else len([w for w in caught if "synchroniz" in str(w.message)])
+        logs = FoRALogs(trainer.fora_selection)
+        with HostSyncCounter() as log_counter, cuda_sync_warnings(ctx.device) as log_caught:
+            values = logs(trainer.model, optimizer)
+        result["log_counter"] = log_counter.count
+        result["log_cuda_warn"] = (
+            None if log_caught is None else len([w for w in log_caught if "synchroniz" in str(w.message)])
+        )
+        result["log_values"] = values
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for _ in range(steps):
+                    optimizer.step()
+                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.synchronize()
+                result["error_mode"] = "no error"
+            except RuntimeError as error:
+                result["error_mode"] = f"raised: {str(error).splitlines()[0]}"
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        else:
+            result["error_mode"] = "skipped: needs CUDA (torch.cuda.set_sync_debug_mode)"
+        del trainer, optimizer
+    release(ctx.device)
+    cuda = "skipped: needs CUDA" if result["cuda_warn"] is None else result["cuda_warn"]
+    log_cuda = "skipped: needs CUDA" if result["log_cuda_warn"] is None else result["log_cuda_warn"]
+    result["text"] = "\n".join(
+        [
+            "| what | host syncs (fora_plugin.host_sync counter) | CUDA sync debug mode 'warn' | goal |",
+            "|---|---:|---:|---:|",
+            f"| first optimizer step (state made) | {first.count} | — | — |",
+            f"| {steps} optimizer steps (AdamW fused={fused}, Cayley-Adam) | {result['counter']} | {cuda} | 0 |",
+            f"| one FoRALogs log | {result['log_counter']} | {log_cuda} | ≤ 1 |",
+            "",
+            f"set_sync_debug_mode('error') around {steps} more steps: {result['error_mode']}",
+        ]
+    )
+    return result
+
+
+# ----------------------------------------------------------------------------------------------- (e) optimizer
+def section_optimizer(ctx: Run) -> dict[str, Any]:
+    import optimizer as optimizer_bench  # bench/optimizer.py, called as it runs with --device
+
+    optimizer_bench.DEVICE = ctx.device
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        for name, d_outs, r, experts in ctx.scale.optimizer_sets:
+            optimizer_bench.bench_set(name, d_outs, r, experts, ctx.scale.optimizer_rounds)
+        if ctx.scale.dense_step:
+            optimizer_bench.bench_dense(32, ctx.scale.optimizer_rounds)
+    text = buffer.getvalue()
+    sets: dict[str, dict[str, dict[str, float]]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("### "):
+            current = sets.setdefault(line[4:].split(":")[0], {})
+        elif current is not None and line.startswith("| ") and not line.startswith("| step"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            current[cells[0]] = {"thread_cpu_ms": float(cells[1]), "wall_ms": float(cells[2])}
+    column = "wall_ms" if ctx.device.type == "cuda" else "thread_cpu_ms"
+    verdicts = {
+        name: {
+            "cayley_over_foreach_adamw": t["CayleyAdam now"][column] / t["AdamW(foreach=True)"][column],
+            "cayley_over_fused_adamw": t["CayleyAdam now"][column] / t["AdamW(fused=True)"][column],
+        }
+        for name, t in sets.items()
+        if "CayleyAdam now" in t
+    }
+    lines = [text.rstrip(), "", f"| set | Cayley-Adam / foreach AdamW ({column}) | Cayley-Adam / fused AdamW |"]
+    lines.append("|---|---:|---:|")
+    for name, v in verdicts.items():
+        lines.append(f"| {name} | {v['cayley_over_foreach_adamw']:.2f} | {v['cayley_over_fused_adamw']:.2f} |")
+    return {"sets": sets, "ratios": verdicts, "text": "\n".join(lines)}
+
+
+# --------------------------------------------------------------------------------------------------- (f) QFoRA
+def section_qfora(ctx: Run) -> dict[str, Any]:
+    needs_cuda(ctx.device, "bitsandbytes NF4 on the GPU")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as error:
+        raise Skipped(f"skipped: bitsandbytes is not installed ({error})") from None
+    from step_time import build_model, build_trainer, release, time_steps
+    from transformers import BitsAndBytesConfig
+
+    s = ctx.scale.setting
+    folder = ctx.tmp / "qfora_base"
+    started = time.perf_counter()
+    model = build_model(s, ctx.device)
+    model.save_pretrained(folder)  # random bf16 weights; quantized by transformers at load, as in a QLoRA run
+    del model
+    release(ctx.device)
+    saved_seconds = time.perf_counter() - started
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    warmup, timed = 2, 8  # 10 training steps
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.cuda.reset_peak_memory_stats()
+        trainer = build_trainer(
+            s,
+            ctx.device,
+            tmp,
+            mode="fora",
+            layers=None,
+            checkpointing=True,
+            max_steps=warmup + timed,
+            fisher_batches=ctx.scale.fisher_batches,
+            model=str(folder),
+            quantization_config=quantization,
+        )
+        scores = trainer.fora_selection.scores
+        import bitsandbytes as bnb
+
+        four_bit = sum(isinstance(m, bnb.nn.Linear4bit) for m in trainer.model.modules())
+        row = time_steps(trainer, ctx.device, warmup=warmup)
+        drift = (row["log"] or {}).get("fora/max_orthogonality_error")
+        result = {
+            "save_seconds": saved_seconds,
+            "linear4bit_modules": four_bit,
+            "chosen_layers": trainer.fora_selection.chosen,
+            "scoring_seconds": scores.seconds,
+            "scoring_peak_bytes": scores.peak_memory_bytes,
+            "max_orthogonality_error": drift,
+            "drift_goal_met": drift is not None and drift < GOALS["drift"],
+            **{k: row[k] for k in ("ms_per_step", "ms_forward_backward", "ms_optimizer", "ms_steps", "train_loss")},
+            "max_memory_allocated": row["max_memory_allocated"],
+            "max_memory_reserved": row["max_memory_reserved"],
+        }
+        del trainer
+    release(ctx.device)
+    result["text"] = "\n".join(
+        [
+            f"LLaMA-3.2-3B config, random bf16 weights saved and loaded as NF4 (nested absmax, bf16 compute): "
+            f"{four_bit} Linear4bit modules; scored on {scores.num_batches} batches, LoRA r {s.lora_r} on layers "
+            f"{result['chosen_layers']}, checkpointing on, {warmup} + {timed} steps.",
+            "",
+            "| scoring s | scoring peak GiB | ms/step | optimizer ms | max allocated GiB | max reserved GiB | "
+            "max ‖BᵀB − I‖ (goal < 1e-3) |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+            f"| {scores.seconds:.2f} | {gib(scores.peak_memory_bytes)} | {row['ms_per_step']:.1f} "
+            f"| {row['ms_optimizer']:.2f} | {gib(row['max_memory_allocated'])} | {gib(row['max_memory_reserved'])} "
+            f"| {drift if drift is None else f'{drift:.1e}'} |",
+        ]
+    )
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- (g) fora train
+def section_cli_train(ctx: Run) -> dict[str, Any]:
+    import yaml
+    from conftest import char_tokenizer, tiny_llama_config
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from fora_plugin.stiefel import orthogonality_error
+
+    gpu = ctx.device.type == "cuda"
+    root = ctx.tmp / "cli"
+    model_dir, out = root / "model", root / "out"
+    hidden = ctx.scale.cli_hidden
+    config = tiny_llama_config(4, vocab_size=99, hidden_size=hidden, intermediate_size=2 * hidden)
+    config.max_position_embeddings = 1024  # one token per character: Alpaca's template alone is ~200
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    char_tokenizer().save_pretrained(model_dir)
+    steps = ctx.scale.cli_steps
+    train_config = {
+        "model_name_or_path": str(model_dir),
+        "dtype": "bfloat16" if ctx.scale.cli_bf16 else "float32",
+        "bf16": ctx.scale.cli_bf16,
+        "use_cpu": not gpu,
+        "activation_checkpointing": True,
+        "dataset_name": str(ALPACA),
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.0,
+        "lora_target_modules": list(TARGETS),
+        "fora_fisher_batches": 4,
+        "fora_layer_budget": 0.5,
+        "fora_lr_stiefel": 1e-2,
+        "output_dir": str(out),
+        "per_device_train_batch_size": ctx.scale.cli_batch,
+        "max_length": 512,
+        "max_steps": steps,
+        "learning_rate": 5e-3,
+        "logging_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": steps,  # one checkpoint at the end: its trainer_state.json holds the losses
+        "report_to": "none",
+        "disable_tqdm": True,
+        "seed": 0,
+    }
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(train_config))
+    env = {**os.environ, "PYTHONPATH": python_path()}
+    if torch.get_num_threads() == 1:
+        env["OMP_NUM_THREADS"] = "1"  # as this process (--threads)
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "fora_plugin.cli", "train", str(path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=max(60.0, ctx.remaining()),
+    )
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"fora train exited {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}")
+    state = json.loads((out / f"checkpoint-{steps}" / "trainer_state.json").read_text())
+    losses = [e["loss"] for e in state["log_history"] if "loss" in e]
+    head, tail = statistics.mean(losses[:3]), statistics.mean(losses[-3:])
+    selection = json.loads((out / "fora_scores.json").read_text())
+
+    # Reload: PeftModel.from_pretrained on a fresh base, against the logits the saved weights give by hand (W + s·BA).
+    adapter = load_file(out / "adapter_model.safetensors")
+    adapter_config = json.loads((out / "adapter_config.json").read_text())
+    scaling = adapter_config["lora_alpha"] / adapter_config["r"]
+    # On the CPU in fp32 whatever the training device: exact products, no TF32.
+    ids = torch.randint(4, 99, (2, 48), generator=torch.Generator().manual_seed(1))
+
+    def base_model():
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    with torch.no_grad():
+        reloaded = PeftModel.from_pretrained(base_model(), out).eval()
+        logits_reloaded = reloaded(input_ids=ids).logits
+        merged = base_model()
+        base_logits = merged(input_ids=ids).logits
+        drifts, adapted = [], set()
+        for key, a in adapter.items():
+            if ".lora_A." not in key:
+                continue
+            b = adapter[key.replace(".lora_A.", ".lora_B.")].float()
+            module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
+            weight = merged.get_submodule(module).weight
+            weight += scaling * (b @ a.float())
+            drifts.append(orthogonality_error(b).item())
+            adapted.add(int(module.split(".layers.")[1].split(".")[0]))
+        logits_merged = merged(input_ids=ids).logits
+    result = {
+        "seconds": seconds,
+        "steps": steps,
+        "losses": losses,
+        "loss_first3": head,
+        "loss_last3": tail,
+        "loss_fell": tail < head,
+        "chosen_layers": selection["chosen_layers"],
+        "adapted_layers": sorted(adapted),
+        "max_saved_b_drift": max(drifts),
+        "reload_vs_saved_weights_max_abs": (logits_reloaded - logits_merged).abs().max().item(),
+        "reload_vs_base_max_abs": (logits_reloaded - base_logits).abs().max().item(),
+        "device": str(ctx.device),
+    }
+    result["reloads_to_same_logits"] = result["reload_vs_saved_weights_max_abs"] < 1e-4
+    result["text"] = "\n".join(
+        [
+            f"`fora train` (python -m fora_plugin.cli) on a 4-layer random Llama (hidden {hidden}), the bundled "
+            f"Alpaca sample, {train_config['dtype']}, checkpointing on, {steps} steps on {ctx.device}: "
+            f"{seconds:.0f} s.",
+            "",
+            "| loss, first 3 steps | loss, last 3 steps | chosen layers | saved max ‖BᵀB − I‖ | reloaded vs "
+            "saved weights, max |Δlogit| | reloaded vs base, max |Δlogit| |",
+            "|---:|---:|---|---:|---:|---:|",
+            f"| {head:.3f} | {tail:.3f} | {result['chosen_layers']} | {result['max_saved_b_drift']:.1e} "
+            f"| {result['reload_vs_saved_weights_max_abs']:.1e} | {result['reload_vs_base_max_abs']:.3f} |",
+        ]
+    )
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------- run
+class Run:
+    """One bench run: the device, the scale, the results so far (written after every section), the clock."""
+
+    def __init__(self, device: torch.device, scale: Scale, out: Path, budget_s: float) -> None:
+        self.device, self.scale, self.out = device, scale, out
+        self.started = time.perf_counter()
+        self.budget_s = budget_s
+        self.environment: dict[str, Any] | None = None
+        self.results: dict[str, Any] = {}
+        self.rows: list[dict[str, Any]] | None = None
+        self.partial: dict[str, dict[str, Any]] = {}  # what a section measured before it failed
+        self.plan_process: subprocess.Popen | None = None
+        self.plan_result: Path | None = None
+        self.plan_log: Path | None = None
+        self._tmp = tempfile.TemporaryDirectory()
+        self.tmp = Path(self._tmp.name)
+        self.markdown: list[str] = []
+
+    def remaining(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.started)
+
+    def log(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    def run(self, name: str, section: Callable[[Run], dict[str, Any]]) -> None:
+        started = time.perf_counter()
+        title = f"## {name}"
+        if self.remaining() <= 0 and name != "plan":
+            result = {"status": "skipped", "reason": f"skipped: the {self.budget_s:.0f} s budget is spent"}
+        else:
+            self.log(f"[{time.perf_counter() - self.started:.0f} s] {name} ...")
+            try:
+                result = {"status": "ok", **section(self)}
+            except Skipped as skip:
+                result = {"status": "skipped", "reason": str(skip)}
+            except Exception:  # noqa: BLE001  (recorded; the other sections still run)
+                result = {"status": "error", "error": traceback.format_exc(limit=-12), **self.partial.get(name, {})}
+        result["seconds"] = time.perf_counter() - started
+        self.results[name] = result
+        body = result.get("text") or result.get("reason") or f"```\n{result.get('error')}\n```"
+        self.markdown += [title, "", body, ""]
+        print(f"{title}\n\n{body}\n", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        payload = {"environment": self.environment, "sections": self.results}
+        payload["total_seconds"] = time.perf_counter() - self.started
+        (self.out / "gpu.json").write_text(json.dumps(payload, indent=2, default=str))
+        (self.out / "gpu.md").write_text("\n".join(self.markdown))
+
+    def close(self) -> None:
+        if self.plan_process is not None and self.plan_process.poll() is None:
+            self.plan_process.kill()
+        self._tmp.cleanup()
+
+
+SECTION_FUNCTIONS = {
+    "step_time": section_step_time,
+    "host_syncs": section_host_syncs,
+    "scoring": section_scoring,
+    "optimizer": section_optimizer,
+    "cli_train": section_cli_train,
+    "qfora": section_qfora,
+    "plan": section_plan,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of every section")
+    parser.add_argument("--out", default="outputs/gpu_bench", help="folder for gpu.json and gpu.md")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, help="run these sections only")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds; sections not started by then are skipped (default: 420 on a GPU, 600 on the CPU)",
+    )
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 with --tiny, else torch's)")
+    parser.add_argument("--_plans", help=argparse.SUPPRESS)  # the child process of (b)
+    parser.add_argument("--_plans-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._plans:
+        return run_plans(args._plans, args._plans_out)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch sees no GPU: use --device cpu --tiny")
+    threads = args.threads or (1 if args.tiny else None)
+    if threads:
+        # Tiny steps are microseconds of work: with 2 threads on a busy 2-core machine they wait on each other.
+        torch.set_num_threads(threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    scale = tiny_scale() if args.tiny else gpu_scale()
+    budget = args.budget if args.budget is not None else 420.0 if device.type == "cuda" else 600.0
+    ctx = Run(device, scale, out, budget)
+    sections = [s for s in SECTIONS if args.only is None or s in args.only]
+    try:
+        ctx.environment = environment(device)
+        print(f"## environment\n\n```\n{json.dumps(ctx.environment, indent=2)}\n```\n", flush=True)
+        if "plan" in sections:
+            start_plans(ctx)
+        for name in sections:
+            ctx.run(name, SECTION_FUNCTIONS[name])
+    finally:
+        ctx.save()
+        ctx.close()
+    summary = {name: r["status"] for name, r in ctx.results.items()}
+    print(f"sections: {summary}; {time.perf_counter() - ctx.started:.0f} s; {out / 'gpu.json'}")
+    return 0 if all(status in ("ok", "skipped") for status in summary.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""bench/gpu.py, the one-call GPU bench of issue 26, in its tiny CPU mode: every section runs (or says it needs
+CUDA), so the script cannot rot between the sessions that have a GPU."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_bench")
+    command = [sys.executable, str(REPO / "bench" / "gpu.py"), "--device", "cpu", "--tiny", "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    data = json.loads((out / "gpu.json").read_text())
+    data["markdown"] = (out / "gpu.md").read_text()
+    return data
+
+
+@pytest.mark.slow
+def test_every_section_ran_or_says_it_needs_cuda(report):
+    sections = report["sections"]
+    assert {name: s["status"] for name, s in sections.items()} == {
+        "step_time": "ok",
+        "host_syncs": "ok",
+        "scoring": "ok",
+        "optimizer": "ok",
+        "cli_train": "ok",
+        "qfora": "skipped",
+        "plan": "ok",
+    }
+    assert sections["qfora"]["reason"].startswith("skipped: needs CUDA")
+    env = report["environment"]
+    assert env["packages"]["torch"] and env["packages"]["transformers"] and env["fora_plugin"]
+    for name in sections:
+        assert f"## {name}" in report["markdown"]
+
+
+@pytest.mark.slow
+def test_step_time_rows_cover_every_mode_placement_and_checkpointing(report):
+    section = report["sections"]["step_time"]
+    rows = section["rows"]
+    assert sorted((r["mode"], r["placement"], r["checkpointing"]) for r in rows) == sorted(
+        (mode, placement, ckpt)
+        for ckpt in (False, True)
+        for mode, placement in [
+            ("lora", "all"),
+            ("fg-lora", "top half"),
+            ("fora", "top half"),
+            ("fg-lora", "every 2nd"),
+            ("fora", "every 2nd"),
+        ]
+    )
+    for r in rows:
+        assert positive(r["ms_per_step"]) and positive(r["ms_optimizer"]) and positive(r["live_peak_bytes"])
+        assert r["max_memory_allocated"] is None  # no allocator counter on the CPU
+    lora = next(r for r in rows if r["mode"] == "lora")
+    fora = next(r for r in rows if r["mode"] == "fora")
+    assert fora["trainable_parameters"] * 2 == lora["trainable_parameters"]  # half the layers
+    assert fora["log"]["fora/max_orthogonality_error"] < 1e-3
+    assert "profile" in next(r for r in rows if r["mode"] == "fora" and r["placement"] == "top half")
+    for ratios in section["ratios"].values():
+        assert all(positive(v) for v in ratios.values())
+
+
+@pytest.mark.slow
+def test_plan_is_compared_with_every_measured_row_and_scoring(report):
+    section = report["sections"]["plan"]
+    assert section["failed"] == {}
+    rows = section["comparisons"]
+    assert len(rows) == 10 + 2  # the step-time rows and scoring with checkpointing off and on
+    for row in rows:
+        assert positive(row["planned_bytes"]) and positive(row["measured_bytes"]) and math.isfinite(row["error"])
+
+
+@pytest.mark.slow
+def test_scoring_syncs_optimizer_and_cli_sections_hold_their_measurements(report):
+    sections = report["sections"]
+    for run in sections["scoring"]["runs"]:
+        assert run["batches"] == 2 and positive(run["seconds"]) and positive(run["peak_bytes"])
+        assert run["scores_finite"] and len(run["chosen_layers"]) == 2
+    syncs = sections["host_syncs"]
+    assert syncs["counter"] == 0, syncs["counter_report"]  # 10 optimizer steps, none syncs
+    assert syncs["log_counter"] <= 1
+    assert syncs["error_mode"].startswith("skipped: needs CUDA") and syncs["cuda_warn"] is None
+    optimizer = sections["optimizer"]["sets"]
+    assert optimizer and all(positive(t["CayleyAdam now"]["thread_cpu_ms"]) for t in optimizer.values())
+    cli = sections["cli_train"]
+    assert cli["loss_fell"], cli["losses"]
+    assert cli["adapted_layers"] == cli["chosen_layers"] and len(cli["chosen_layers"]) == 2
+    assert cli["reloads_to_same_logits"] and cli["reload_vs_base_max_abs"] > 1e-3  # the adapter changes the model
+    assert cli["max_saved_b_drift"] < 1e-3

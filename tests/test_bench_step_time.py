@@ -1,0 +1,74 @@
+"""bench/step_time.py's rows, placements and tables (the timed runs themselves: tests/test_bench_gpu.py)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def load_step_time():
+    path = Path(__file__).resolve().parents[1] / "bench" / "step_time.py"
+    spec = importlib.util.spec_from_file_location("step_time", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["step_time"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def step_time():
+    return load_step_time()
+
+
+def test_placements_are_the_top_half_and_every_second_layer_from_0(step_time):
+    llama_3b = step_time.placements(28)
+    assert llama_3b["top half"] == list(range(14, 28))
+    assert llama_3b["every 2nd"] == list(range(0, 28, 2))
+    assert step_time.placements(5) == {"top half": [3, 4], "every 2nd": [0, 2, 4]}
+
+
+def test_lora_runs_once_on_all_layers_and_the_selecting_modes_once_per_placement(step_time):
+    rows = step_time.runs(16)
+    assert rows[0] == ("lora", "all", None)
+    assert [(mode, placement) for mode, placement, _ in rows[1:]] == [
+        ("fg-lora", "top half"),
+        ("fora", "top half"),
+        ("fg-lora", "every 2nd"),
+        ("fora", "every 2nd"),
+    ]
+    assert step_time.runs(16, modes=("fora",)) == [
+        ("fora", "top half", list(range(8, 16))),
+        ("fora", "every 2nd", list(range(0, 16, 2))),
+    ]
+
+
+def test_ratio_table_divides_fora_by_lora_on_all_layers_and_by_fg_lora_on_the_same_layers(step_time):
+    def row(mode, placement, ckpt, ms):
+        return {"mode": mode, "placement": placement, "checkpointing": ckpt, "ms_per_step": ms}
+
+    rows = [
+        row("lora", "all", False, 100.0),
+        row("fg-lora", "top half", False, 60.0),
+        row("fora", "top half", False, 66.0),
+        row("fg-lora", "every 2nd", False, 90.0),
+        row("fora", "every 2nd", False, 99.0),
+    ]
+    assert step_time.find_row(rows, "lora", "top half", False) is rows[0]  # lora has one placement: all
+    assert step_time.find_row(rows, "fora", "top half", True) is None
+    table = step_time.format_ratio_table(rows).splitlines()
+    assert table[2] == "| off | top half | 100.0 | 60.0 | 66.0 | **0.660** | **1.100** |"
+    assert table[3] == "| off | every 2nd | 100.0 | 90.0 | 99.0 | **0.990** | **1.100** |"
+
+
+def test_step_timer_splits_each_step_at_the_optimizer_step(step_time, monkeypatch):
+    import torch
+
+    clock = iter([1.0, 1.25, 1.5, 2.0, 2.5, 2.75])
+    monkeypatch.setattr(step_time.time, "perf_counter", lambda: next(clock))
+    timer = step_time.StepTimer(torch.device("cpu"))
+    for _ in range(2):
+        timer.on_step_begin(None, None, None)
+        timer.on_pre_optimizer_step(None, None, None)
+        timer.on_step_end(None, None, None)
+    assert timer.milliseconds() == [(500.0, 250.0, 250.0), (750.0, 500.0, 250.0)]
