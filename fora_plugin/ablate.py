@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from .data import read_json
-from .validation import check_ablation_block, check_output_folder
+from .validation import check_ablation_block, check_file, check_nonblank_text, check_output_folder, check_text_file
 
 
 RUNS = ("lora", "fg-lora", "stiefel-lora", "fora", "lora-half-rank", "random-k", "dora", "rslora")
@@ -81,6 +81,9 @@ def load_ablation_config(config: str) -> tuple[dict[str, Any], dict[str, Any]]:
     for key in ("commonsense_dir", "kl_text"):
         if evaluation.get(key):
             evaluation[key] = _resolve(evaluation[key], base)
+    if evaluation.get("kl_text"):  # read after the first run trained: checked now
+        check_file(evaluation["kl_text"], "ablation.eval.kl_text")
+        check_nonblank_text(evaluation["kl_text"], "ablation.eval.kl_text")
     if evaluation.get("mt_bench") is not None:
         from .mt_bench import MTBenchConfig
 
@@ -137,7 +140,7 @@ def evaluate_run(trainer, evaluation: dict[str, Any], held_out: dict[str, list[d
         for task, examples in held_out.items()
     }
     if evaluation.get("kl_text"):
-        text = Path(evaluation["kl_text"]).read_text()
+        text = check_text_file(evaluation["kl_text"], "ablation.eval.kl_text")
         result["kl_to_base"] = kl_to_base(model, tokenizer, text, max_tokens=evaluation.get("kl_max_tokens", 512))
     return result
 

@@ -19,14 +19,17 @@ import warnings
 from pathlib import Path
 
 from ._quiet import drop
+from .errors import FoRAInputError
 from .recipe import build_trainer, parse_config
 from .validation import (
     check_adapter_folder,
     check_eval_arguments,
     check_model_folder,
+    check_nonblank_text,
     check_number,
     check_output_folder,
     check_text_file,
+    read_json,
     refuse,
 )
 
@@ -299,12 +302,14 @@ def _check_files(*flags: tuple[str, str | None]) -> None:
             raise ValueError(f"{flag} {value} is not a file: give the path of an existing file.")
 
 
-def _check_eval_inputs(args: argparse.Namespace) -> list[str]:
-    """Everything `fora eval` is given, checked before the model loads; returns the commonsense tasks."""
+def _check_eval_inputs(args: argparse.Namespace) -> dict[str, list]:
+    """Everything `fora eval` is given, checked before the model loads; returns each commonsense task's examples
+    (read, UTF-8 and valid JSON, here)."""
     check_eval_arguments(args)
     _check_files(("--wikitext", args.wikitext), ("--mt-bench", args.mt_bench_questions or None))
     check_output_folder(args.output, "--output")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    examples = {}
     if args.commonsense_dir:
         if not tasks:
             refuse("--tasks", args.tasks, "name at least one task", "E.g. --tasks boolq,ARC-Easy.")
@@ -315,32 +320,35 @@ def _check_eval_inputs(args: argparse.Namespace) -> list[str]:
         for task in tasks:
             if not Path(args.commonsense_dir, task, "test.json").is_file():
                 raise ValueError(f"--commonsense-dir {args.commonsense_dir} has no {task}/test.json.")
+        examples = {t: read_json(Path(args.commonsense_dir, t, "test.json"))[: args.max_examples] for t in tasks}
     if args.wikitext:
-        check_text_file(args.wikitext, "--wikitext")
+        check_nonblank_text(args.wikitext, "--wikitext")
     if args.adapter:
         check_adapter_folder(args.adapter, "--adapter")
     check_model_folder(args.base, "--base")  # a local folder (a hub name, a .gguf: when loaded)
-    return tasks
+    return examples
 
 
 def evaluate(args: argparse.Namespace) -> int:
     import json
 
     from . import mt_bench
-    from .data import read_json
     from .evaluation import commonsense_accuracy, lm_eval_command, mt_bench_judge_command, perplexity
 
     mt_bench_asked = args.mt_bench_questions is not None
     if not (args.commonsense_dir or args.wikitext or mt_bench_asked or args.lm_eval):
         raise ValueError("fora eval has nothing to do: give --commonsense-dir, --wikitext, --mt-bench or --lm-eval.")
-    tasks = _check_eval_inputs(args)
+    task_examples = _check_eval_inputs(args)
     if not mt_bench_asked and (args.mt_bench_judge_model or args.mt_bench_compare):
         raise ValueError("--judge-model and --mt-bench-compare judge MT-Bench answers: add --mt-bench [QUESTIONS].")
     if args.mt_bench_compare and not args.mt_bench_judge_model:
         raise ValueError("--mt-bench-compare needs --judge-model: comparing means judging.")
-    # Questions, references, key and judge server are checked before the model is loaded and anything generated.
-    prepared = mt_bench.prepare(mt_bench.config_from_args(args)) if mt_bench_asked else None
     out = Path(args.output)
+    # Questions, compared answers, references, key and judge server are checked before the model is loaded and
+    # anything generated.
+    prepared = (
+        mt_bench.prepare(mt_bench.config_from_args(args), out, args.mt_bench_compare) if mt_bench_asked else None
+    )
     if args.lm_eval:
         print(lm_eval_command(args.base, args.adapter, ["boolq", "arc_easy", "arc_challenge", "openbookqa"]))
         if not (args.commonsense_dir or args.wikitext or mt_bench_asked):
@@ -351,9 +359,7 @@ def evaluate(args: argparse.Namespace) -> int:
     rows = ["| metric | value |", "|---|---:|"]
     if args.commonsense_dir:
         accuracies = []
-        for task in tasks:
-            file = Path(args.commonsense_dir, task, "test.json")
-            examples = read_json(file)[: args.max_examples]
+        for task, examples in task_examples.items():
             result = commonsense_accuracy(
                 model, tokenizer, examples, task, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size
             )
@@ -365,14 +371,14 @@ def evaluate(args: argparse.Namespace) -> int:
             )
         rows.append(f"| mean accuracy | {100 * sum(accuracies) / len(accuracies):.1f} |")
     if args.wikitext:
-        text = Path(args.wikitext).read_text()
         results["perplexity"] = perplexity(
             model,
             tokenizer,
-            text,
+            check_text_file(args.wikitext, "--wikitext"),
             max_length=args.ppl_max_length,
             stride=args.ppl_stride,
             max_tokens=args.ppl_max_tokens,
+            name=f"--wikitext {args.wikitext}",
         )
         rows.append(
             f"| perplexity ({results['perplexity']['tokens']} tokens) | {results['perplexity']['perplexity']:.2f} |"
@@ -432,12 +438,12 @@ def report(args: argparse.Namespace) -> int:
     out = Path(args.output or args.adapter)
     check_output_folder(out, "--output")
     if args.kl_text:
-        check_text_file(args.kl_text, "--kl-text")
+        check_nonblank_text(args.kl_text, "--kl-text")
         check_model_folder(args.base, "--base")
     out.mkdir(parents=True, exist_ok=True)
     kl = None
     if args.kl_text:
-        text = Path(args.kl_text).read_text()
+        text = check_text_file(args.kl_text, "--kl-text")
         kl = {}
         for label, adapter in zip(labels, adapters):
             model, tokenizer = load_model(args.base, adapter)
@@ -487,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return {"train": train, "score": score}[args.command](args.config, overrides)
     except (ValueError, TypeError) as error:
-        if not is_input_error(error):
+        if not (isinstance(error, FoRAInputError) or is_input_error(error)):
             raise
         # Bad input: what and how to fix it, on one line, without a traceback.
         message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())

@@ -8,12 +8,17 @@ TRL's `SFTTrainer` trains such datasets with the loss on the completion only (it
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 from datasets import Dataset, load_dataset
 from datasets.exceptions import DatasetGenerationError
 
-from .validation import check_completions, check_json_rows_file
+from .errors import refuse
+from .validation import check_completions, check_json_rows_file, json_error_position, read_json
+
+
+__all__ = ["alpaca_to_prompt_completion", "check_columns", "check_rows_fit", "load_train_dataset", "read_json"]
 
 
 ALPACA_PROMPT_WITH_INPUT = (
@@ -80,9 +85,17 @@ def load_train_dataset(
             dataset = load_dataset("json", data_files=files, split="train")
         except DatasetGenerationError as error:
             problem = _first_json_problem(files)
-            if problem is None:
-                raise
-            raise ValueError(f"{problem}. Fix the file: one JSON array of rows, or one row per line.") from error
+            if problem is not None:
+                raise ValueError(f"{problem}. Fix the file: one JSON array of rows, or one row per line.") from error
+            # Valid JSON that the builder still cannot read (a column whose type changes from row to row): about
+            # this file, which only this place names.
+            cause = error.__cause__ or error
+            refuse(
+                "dataset_name",
+                str(local),
+                f"`datasets` cannot read it as a table ({type(cause).__name__}: {str(cause).splitlines()[0]})",
+                "Give every row the same keys, each holding one type of value (e.g. every `output` a string).",
+            )
 
     where = str(local) if local is not None else f"dataset {name_or_path!r} (split {split!r})"
     check_columns(dataset.column_names, where)
@@ -122,24 +135,6 @@ def check_columns(columns: list[str], where: str) -> None:
     )
 
 
-def read_json(path: str | Path, *, lines: bool = False):
-    """The JSON document in ``path`` (with ``lines``: the list of one document per non-empty line); a malformed file
-    is refused naming the file, the line and the column."""
-    text = Path(path).read_text(encoding="utf-8")
-    chunks = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()] if lines else [(1, text)]
-    documents = []
-    for first_line, chunk in chunks:
-        try:
-            documents.append(json.loads(chunk))
-        except json.JSONDecodeError as error:
-            line = first_line + error.lineno - 1
-            raise ValueError(
-                f"{path} is not valid JSON{' Lines' if lines else ''}: {error.msg} at line {line}, column "
-                f"{error.colno}. Fix the file there."
-            ) from None
-    return documents if lines else documents[0]
-
-
 def _first_json_problem(files: list[str]) -> str | None:
     """Where the first malformed JSON is among ``files`` (file, line, column), or None if they all parse."""
     for file in files:
@@ -157,8 +152,8 @@ def _first_json_problem(files: list[str]) -> str | None:
                 json.loads(line)
             except json.JSONDecodeError as error:
                 if Path(file).suffix == ".jsonl" or number > 1:
-                    return f"{file} is not valid JSON Lines: {error.msg} at line {number}, column {error.colno}"
-                return f"{file} is not valid JSON: {whole.msg} at line {whole.lineno}, column {whole.colno}"
+                    return f"{file} is not valid JSON Lines: {json_error_position(error, number)}"
+                return f"{file} is not valid JSON: {json_error_position(whole)}"
     return None
 
 
@@ -187,3 +182,46 @@ def _json_files(local: Path) -> list[str]:
             "JSON/JSONL, or give a `datasets` hub name."
         )
     return [str(p) for p in files]
+
+
+def check_rows_fit(dataset: Dataset, tokenizer, args, where: str, key: str = "max_length") -> None:
+    """Refuse prompt/completion rows that TRL would all drop: with the loss on completions only, truncation to
+    ``max_length`` (from the start) keeps no completion token of a row whose prompt fills ``max_length``, and TRL
+    removes such rows, leaving scoring an empty dataloader. Warns when it drops some. Needs the tokenizer only, so
+    it runs before the model loads. Conversational prompts (chat templates) and packing are left to TRL."""
+    max_length = args.max_length
+    if (
+        max_length is None
+        or args.packing
+        or getattr(args, "truncation_mode", "keep_start") != "keep_start"  # a TRL field of some releases only
+        or args.completion_only_loss is False
+        or not {"prompt", "completion"} <= set(dataset.column_names)
+        or len(dataset) == 0
+        or not isinstance(dataset[0]["prompt"], str)
+    ):
+        return
+    prompts, completions = list(dataset["prompt"]), list(dataset["completion"])
+    rows = tokenizer([p + c for p, c in zip(prompts, completions)])["input_ids"]
+    prompts = tokenizer(prompts)["input_ids"]
+    # TRL's completion starts where the two tokenizations diverge (its common_prefix_length).
+    prompt_lengths = [
+        next((i for i, (a, b) in enumerate(zip(p, r)) if a != b), min(len(p), len(r))) for p, r in zip(prompts, rows)
+    ]
+    dropped = sum(length >= max_length for length in prompt_lengths)
+    row_lengths = [len(r) for r in rows]
+    if dropped == len(rows):
+        refuse(
+            key,
+            max_length,
+            f"every one of the {len(rows)} rows of {where} has a prompt of at least {max_length} tokens (prompts are "
+            f"{min(prompt_lengths)} to {max(prompt_lengths)} tokens, whole rows {min(row_lengths)} to "
+            f"{max(row_lengths)}), so truncation leaves no completion token to learn and TRL drops every row",
+            f"Raise max_length above the prompts: max_length: {max(row_lengths)} keeps every row whole (or shorten "
+            "the prompts).",
+        )
+    if dropped:
+        warnings.warn(
+            f"{where}: {dropped} of {len(rows)} rows have a prompt of at least max_length={max_length} tokens; TRL "
+            f"drops them (truncation leaves no completion token). max_length: {max(row_lengths)} keeps every row.",
+            stacklevel=2,
+        )

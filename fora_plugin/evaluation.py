@@ -143,15 +143,20 @@ def perplexity(
     stride: int = 512,
     max_tokens: int | None = None,
     progress: bool = True,
+    name: str = "the text",
 ) -> dict[str, float]:
-    """Perplexity exp(mean NLL) of ``text`` over strided windows; ``max_tokens`` caps the tokens scored."""
+    """Perplexity exp(mean NLL) of ``text`` over strided windows; ``max_tokens`` caps the tokens scored. ``name``
+    says where the text comes from (a flag and its file), for the message when it is too short."""
     if not 0 < stride <= max_length:
         raise ValueError(f"stride={stride} must be in 1..max_length={max_length}.")
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if ids.numel() < 2:
-        raise ValueError("perplexity needs a text of at least 2 tokens.")
+        raise ValueError(
+            f"{name} holds {ids.numel()} token(s){f' (max_tokens={max_tokens})' if max_tokens is not None else ''}: "
+            "perplexity needs at least 2 (each token is predicted from those before it). Give a longer text."
+        )
     device = next(model.parameters()).device
     nll_sum, counted, previous_end = 0.0, 0, 0
     starts = range(0, ids.numel(), stride)

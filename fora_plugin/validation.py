@@ -15,12 +15,15 @@ import difflib
 import json
 import math
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
+
+from .errors import FoRAInputError, refuse
 
 
 # Files that make a folder a model: transformers' weight files, single or sharded.
@@ -34,11 +37,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # What HF Trainer saves in every checkpoint folder and reads first when resuming.
 TRAINER_STATE = "trainer_state.json"
-
-
-def refuse(key: str, value: Any, accepted: str, fix: str = "") -> NoReturn:
-    """Raise the one form of refusal: ``key=value`` is invalid, what is accepted, and the fix."""
-    raise ValueError(f"{key}={value!r} is invalid: {accepted}." + (f" {fix}" if fix else ""))
 
 
 # ------------------------------------------------------------------------------------------------------ numbers
@@ -205,6 +203,18 @@ def check_training_arguments(training_args: Any, model_args: Any) -> None:
     check_numbers(training_args, TRAINING_KEYS)
 
 
+def check_lora_arguments(model_args: Any) -> None:
+    """The LoRA keys' rules across keys (ModelConfig), checked before PEFT meets them on the loaded model."""
+    if model_args.lora_target_parameters and model_args.lora_dropout:
+        refuse(
+            "lora_dropout",
+            model_args.lora_dropout,
+            "LoRA on lora_target_parameters (fused MoE experts) takes no dropout: PEFT's ParamWrapper refuses "
+            "lora_dropout != 0",
+            "Set lora_dropout: 0.0.",
+        )
+
+
 def check_eval_arguments(args: Any) -> None:
     """The numbers of ``fora eval``'s flags."""
     for flag in ("--max-examples", "--batch-size", "--max-new-tokens", "--ppl-max-length", "--ppl-stride"):
@@ -237,16 +247,38 @@ def check_known_keys(given: Iterable[str], known: Iterable[str], where: str, wha
         raise ValueError(f"{where} has unknown {what} {unknown}: they are none of {known_as}.{hints}")
 
 
-def check_target_modules(model_path: str, targets: Any, *, trust_remote_code: bool = False, key: str) -> None:
-    """Refuse LoRA target module names that the model at ``model_path`` (a local folder) does not have.
+# A target name PEFT matches as a name (by suffix) when it is given in a list; as a lone string it is a regex.
+_PLAIN_NAME = re.compile(r"[A-Za-z_][\w.-]*")
 
-    The model is built on the meta device from its config.json (no weights are read), before PEFT wraps it. A name
-    matches as PEFT matches it: the module's full name, or its last components after a dot. The message names the
-    model's linear module names and suggests a list.
+
+def target_names(value: Any) -> Any:
+    """LoRA target names in the form PEFT reads as names: one plain name given alone (``--lora_target_modules
+    q_proj`` on the command line, or TRL's ModelConfig, which turns a one-item list into its item) becomes a list.
+
+    As a string PEFT would take it for a regex that must match a module's whole qualified name, which a leaf name
+    never does, so the adapter would match nothing. ``all-linear``, a regex and a list are returned as they are.
+    """
+    if isinstance(value, str) and value != "all-linear" and _PLAIN_NAME.fullmatch(value):
+        return [value]
+    return value
+
+
+def check_target_modules(
+    model: Any, targets: Any, *, trust_remote_code: bool = False, key: str, model_key: str = "model_name_or_path"
+) -> None:
+    """Refuse LoRA target module names that ``model`` (a local model folder, or a transformers config) lacks;
+    ``model_key`` names the model's setting when its config.json cannot be read.
+
+    The model is built on the meta device from its config (no weights are read), before PEFT wraps it. A name
+    matches as PEFT matches it: the module's full name, or its last components after a dot; on a model whose MoE
+    experts are fused, the names PEFT converts to the fused parameters (``gate_proj`` + ``up_proj`` ->
+    ``gate_up_proj``) count, in complete groups. The message names the model's linear module names and suggests a
+    list.
     """
     if isinstance(targets, str) and "," in targets:
         targets = [targets]  # one YAML string "q_proj,v_proj": PEFT would read it as a regex matching nothing
-    if targets is None or isinstance(targets, str) or not Path(model_path, "config.json").is_file():
+    targets = target_names(targets)
+    if targets is None or isinstance(targets, str) or not _has_config(model):
         return  # None / "all-linear" / a regex: PEFT's own rules; a hub name: not checkable offline
     joined = [t for t in targets if isinstance(t, str) and ("," in t or " " in t.strip())]
     if joined:
@@ -258,8 +290,12 @@ def check_target_modules(model_path: str, targets: Any, *, trust_remote_code: bo
             f"Give a list: `{key}: [{', '.join(parts)}]` in the YAML, or `--{key} {' '.join(parts)}` on the command "
             "line.",
         )
-    names, linear, in_layers = _module_names(model_path, trust_remote_code)
+    meta = _meta_model(model, trust_remote_code, model_key)
+    names, linear, in_layers = _module_names(meta)
     absent = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    fused = _fused_expert_names(meta)
+    _check_fused_groups(targets, fused, key, meta)
+    absent = [t for t in absent if t not in fused]
     if absent:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})
         # Suggested: the decoder layers' linears (FoRA adapts decoder layers; lm_head is rarely a LoRA target).
@@ -273,11 +309,61 @@ def check_target_modules(model_path: str, targets: Any, *, trust_remote_code: bo
         )
 
 
-def check_target_parameters(model_path: str, targets: Any, *, trust_remote_code: bool = False, key: str) -> None:
-    """Refuse LoRA target parameter names (fused MoE experts) that the model at ``model_path`` does not have."""
-    if not targets or isinstance(targets, str) or not Path(model_path, "config.json").is_file():
+def _fused_expert_names(model: Any) -> dict[str, tuple[str, list[str]]]:
+    """For a model whose MoE experts PEFT converts (transformers 5 fused them): each pre-fusion target name ->
+    (the fused parameter it is part of, every name fused into that parameter). Empty for other models."""
+    try:  # PEFT's own tables of the conversion it makes in get_peft_model (absent from older releases)
+        from peft.utils.transformers_weight_conversion import (
+            _MODEL_TO_CONVERSION_PATTERN,
+            _MOE_FUSED_TARGETS,
+            _MOE_TARGET_MODULE_MAPPING,
+        )
+    except ImportError:
+        return {}
+    kind = _MODEL_TO_CONVERSION_PATTERN.get(getattr(model.config, "model_type", None))
+    mapping = _MOE_TARGET_MODULE_MAPPING.get(kind) or {}
+    fused = _MOE_FUSED_TARGETS.get(kind) or {}
+    leaves = {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.dim() >= 3}
+    return {
+        old: (new, list(fused.get(new, [old])))
+        for old, new in mapping.items()
+        if new in leaves  # a name the router keeps (gate -> gate.weight) is a module, not a fused expert
+    }
+
+
+def _check_fused_groups(targets: list[str], fused: dict[str, tuple[str, list[str]]], key: str, model: Any) -> None:
+    """Refuse a part of a fused expert parameter without the rest (``up_proj`` without ``gate_proj``): one fused
+    matrix cannot be adapted in part. PEFT would stop with "fused into gate_up_proj"; say how to target it."""
+    leaves = {t.rsplit(".", 1)[-1] for t in targets}
+    for name in sorted(leaves & set(fused)):
+        parameter, group = fused[name]
+        missing = [g for g in group if g not in leaves]
+        if not missing:
+            continue
+        within = sorted(
+            {n.split(".layers.")[-1].split(".", 1)[-1] for n, p in model.named_parameters() if p.dim() >= 3}
+        )
+        others = [t for t in targets if t.rsplit(".", 1)[-1] not in fused]
+        refuse(
+            key,
+            list(targets),
+            f"this model's MoE experts are fused: {' and '.join(group)} are one parameter, {parameter}, so {name} "
+            f"cannot be adapted without {', '.join(missing)}",
+            f"Target the fused experts with lora_target_parameters: [{', '.join(within)}]"
+            + (f" and {key}: [{', '.join(others)}]" if others else "")
+            + f", or add {', '.join(missing)} to {key} (PEFT then adapts {parameter} whole).",
+        )
+
+
+def check_target_parameters(
+    model: Any, targets: Any, *, trust_remote_code: bool = False, key: str, model_key: str = "model_name_or_path"
+) -> None:
+    """Refuse LoRA target parameter names (fused MoE experts) that ``model`` (a local model folder, or a transformers
+    config) does not have."""
+    targets = target_names(targets)
+    if not targets or isinstance(targets, str) or not _has_config(model):
         return
-    parameters = dict(_meta_model(model_path, trust_remote_code).named_parameters())
+    parameters = dict(_meta_model(model, trust_remote_code, model_key).named_parameters())
     absent = [t for t in targets if not any(n == t or n.endswith("." + t) for n in parameters)]
     if absent:
         # The 3-D parameters are the fused experts that target_parameters is for, named here within their layer.
@@ -290,13 +376,30 @@ def check_target_parameters(model_path: str, targets: Any, *, trust_remote_code:
         )
 
 
-def _meta_model(model_path: str, trust_remote_code: bool):
-    """The model at ``model_path`` built from its config.json on the meta device: its structure, no weights read."""
+def _has_config(model: Any) -> bool:
+    """Whether ``model`` can be built here: a config object, or a local folder holding config.json."""
+    return not isinstance(model, (str, os.PathLike)) or Path(model, "config.json").is_file()
+
+
+def _meta_model(model: Any, trust_remote_code: bool, key: str):
+    """The model of ``model`` (a local folder or a transformers config) built on the meta device: its structure, no
+    weights read. A folder whose config.json transformers cannot read is refused as ``key``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_utils import set_zero3_state
 
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    config = model
+    if isinstance(model, (str, os.PathLike)):
+        check_model_config(Path(model, "config.json"), key)
+        try:
+            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError) as error:  # here, on a local folder, it is about its config.json
+            refuse(
+                key,
+                str(model),
+                f"transformers cannot read its config.json ({str(error).splitlines()[0] if str(error) else error!r})",
+                "Give the folder of a causal language model saved with save_pretrained.",
+            )
     # Under a ZeRO-3 config, from_config would partition the model with deepspeed.zero.Init, which needs DeepSpeed's
     # process group (not joined yet when the names are checked) and ignores the meta device; set_zero3_state is
     # transformers' own "zero.Init is already active" flag, so the model is built as it is without ZeRO-3.
@@ -304,12 +407,10 @@ def _meta_model(model_path: str, trust_remote_code: bool):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
-def _module_names(model_path: str, trust_remote_code: bool) -> tuple[list[str], list[str], list[str]]:
-    """(every module name, the linear-like module names, those inside the decoder layers) of the model at
-    ``model_path``, built on the meta device."""
+def _module_names(model: Any) -> tuple[list[str], list[str], list[str]]:
+    """(every module name, the linear-like module names, those inside the decoder layers) of ``model``."""
     from .fisher import find_decoder_layers, is_linear_like
 
-    model = _meta_model(model_path, trust_remote_code)
     modules = dict(model.named_modules())
     linear = [n for n, m in modules.items() if n and is_linear_like(m)]
     prefix, _ = find_decoder_layers(model)
@@ -364,6 +465,7 @@ def check_model_folder(path: str, key: str = "model_name_or_path") -> None:
             f"the folder has no config.json (it holds {_listing(folder)})",
             "Give a Hugging Face model folder (config.json, the weights and the tokenizer).",
         )
+    check_model_config(folder / "config.json", key)
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
         refuse(
             key,
@@ -371,6 +473,70 @@ def check_model_folder(path: str, key: str = "model_name_or_path") -> None:
             f"the folder has config.json but no weights (none of {list(WEIGHT_FILES)}; it holds {_listing(folder)})",
             "Save the model there with save_pretrained, or point to the folder that holds its weights.",
         )
+
+
+# Keys that set a decoder's tensor shapes. A config.json without one that its architecture declares gets the config
+# class's default (LlamaConfig's hidden_size is 4096) and silently describes a model of another size.
+SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_experts",
+    "num_local_experts",
+)
+
+
+def check_model_config(path: str | os.PathLike, key: str = "model_name_or_path") -> dict[str, Any]:
+    """The mapping a model's config.json holds, read as UTF-8 JSON (file, line and column of a mistake); refused when
+    it lacks a shape key (:data:`SHAPE_KEYS`) that its architecture declares with a default. Returns it."""
+    config = read_json(path, key=f"{key} config.json")
+    if not isinstance(config, dict):
+        refuse(
+            f"{key} config.json",
+            str(path),
+            f"it holds a JSON {type(config).__name__}, not a mapping of keys",
+            "Give the config.json a model was saved with.",
+        )
+    # A multimodal config holds its decoder's keys in text_config.
+    scopes = [("", config)] + ([("text_config.", config["text_config"])] if "text_config" in config else [])
+    for scope, keys in scopes:
+        missing = _missing_shape_key(keys) if isinstance(keys, dict) else None
+        if missing is not None:
+            name, default = missing
+            refuse(
+                f"{key} config.json",
+                str(path),
+                f"it has no {scope + name!r}, which a {keys.get('model_type')!r} model needs: transformers would "
+                f"silently use its default ({default}) and build a model of another size",
+                f"Add the model's own {scope}{name} to it (from the model card or the config.json it was saved with).",
+            )
+    return config
+
+
+def _missing_shape_key(config: dict[str, Any]) -> tuple[str, Any] | None:
+    """The first shape key the config class of ``config['model_type']`` declares with a default that ``config``
+    does not set (under any of its names), with that default; None if all are set or the type is unknown here."""
+    import inspect
+
+    from transformers import CONFIG_MAPPING
+
+    try:
+        cls = CONFIG_MAPPING[config.get("model_type")]
+    except KeyError:
+        return None  # a custom (trust_remote_code) or unknown type: transformers reports it when it reads the file
+    parameters = inspect.signature(cls.__init__).parameters
+    aliases = getattr(cls, "attribute_map", {}) or {}
+    for name in SHAPE_KEYS:
+        declared = next((n for n in (name, aliases.get(name)) if n in parameters), None)
+        if declared is None or parameters[declared].default in (None, inspect.Parameter.empty):
+            continue  # not this architecture's, or derived from the others when unset
+        names = {name, declared, aliases.get(name)} | {a for a, real in aliases.items() if real in (name, declared)}
+        if not names & config.keys():
+            return declared, parameters[declared].default
+    return None
 
 
 def _listing(folder: Path, limit: int = 8) -> str:
@@ -494,20 +660,60 @@ def check_selection_matches_adapter(selection_file: str | os.PathLike, adapted_l
 
 
 # -------------------------------------------------------------------------------------------------------- data
-def check_text_file(path: str | os.PathLike, key: str) -> str:
-    """The UTF-8 text of ``path``; a file that is not UTF-8 is refused naming the file and the first bad byte."""
+def check_text_file(path: str | os.PathLike, key: str | None = None) -> str:
+    """The UTF-8 text of ``path``: every reading of a user's text file goes through here. A file that is not UTF-8
+    is refused naming the file, the first bad byte and its line (as ``key``'s value when given)."""
     data = Path(path).read_bytes()
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
         bad = error
     line = data[: bad.start].count(b"\n") + 1
-    refuse(
-        key,
-        str(path),
-        f"the file is not UTF-8 text (byte 0x{data[bad.start]:02x} on line {line} is not valid UTF-8)",
-        "Save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8 in.json > out.json`).",
-    )
+    problem = f"the file is not UTF-8 text (byte 0x{data[bad.start]:02x} on line {line} is not valid UTF-8)"
+    fix = "Save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8 in.json > out.json`)."
+    if key is None:
+        raise FoRAInputError(f"{path}: {problem}. {fix}")
+    refuse(key, str(path), problem, fix)
+
+
+def check_nonblank_text(path: str | os.PathLike, key: str) -> str:
+    """The UTF-8 text of ``path`` (:func:`check_text_file`), refused when it holds nothing but whitespace: a text to
+    score (perplexity, KL) is checked before the model loads, not found empty after."""
+    text = check_text_file(path, key)
+    if not text.strip():
+        refuse(
+            key,
+            str(path),
+            "the file is empty (or holds only whitespace): there is no text to score",
+            "Give a text file, e.g. WikiText-2's wiki.test.raw.",
+        )
+    return text
+
+
+def json_error_position(error: json.JSONDecodeError, first_line: int = 1) -> str:
+    """``error`` as "<what> at line L, column C", its line counted from ``first_line`` (JSON Lines: the line the
+    document starts on). json's own message may end in "starting at" (an unterminated string): no second "at"."""
+    where = f"line {first_line + error.lineno - 1}, column {error.colno}"
+    return f"{error.msg} {where}" if error.msg.endswith(" at") else f"{error.msg} at {where}"
+
+
+def read_json(path: str | Path, *, lines: bool = False, key: str | None = None):
+    """The JSON document in ``path`` (with ``lines``: the list of one document per non-empty line), read as UTF-8;
+    a file that is not UTF-8 or is malformed is refused naming the file (as ``key``'s value when given), the line
+    and the column."""
+    text = check_text_file(path, key)
+    chunks = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()] if lines else [(1, text)]
+    documents = []
+    for first_line, chunk in chunks:
+        try:
+            documents.append(json.loads(chunk))
+        except json.JSONDecodeError as error:
+            what = f"{key} {path}" if key else str(path)
+            raise FoRAInputError(
+                f"{what} is not valid JSON{' Lines' if lines else ''}: {json_error_position(error, first_line)}. "
+                "Fix the file there."
+            ) from None
+    return documents if lines else documents[0]
 
 
 def check_json_rows_file(path: str | os.PathLike, key: str) -> None:
@@ -571,6 +777,14 @@ def check_ablation_block(block: Mapping[str, Any], config: str, runs: tuple[str,
         unknown = [r for r in given if r not in runs]
         if unknown:
             raise ValueError(f"ablation runs {unknown} are unknown; use some of {list(runs)}.")
+        twice = sorted({r for r in given if given.count(r) > 1})
+        if twice:
+            refuse(
+                "ablation.runs",
+                given,
+                f"{twice[0]!r} is listed {given.count(twice[0])} times: each run trains once and is one table row",
+                f"List each run once, e.g. `runs: [{', '.join(dict.fromkeys(given))}]`.",
+            )
     if "output_dir" in block:
         check_output_folder(str(block["output_dir"]), "ablation.output_dir")
     evaluation = block.get("eval")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TARGETS, char_tokenizer, tiny_llama
+from conftest import EXPERT_PARAMETERS, TARGETS, char_tokenizer, tiny_llama, tiny_moe
 
 from fora_plugin.cli import main
 
@@ -68,6 +68,7 @@ class Ctx:
         """A file of Alpaca rows in Latin-1 (é is the byte 0xe9, not UTF-8)."""
         rows = json.dumps([{"instruction": "café", "output": "é"}], ensure_ascii=False)
         path = self.tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(rows.encode("latin-1"))
         return str(path)
 
@@ -116,6 +117,35 @@ class Ctx:
         char_tokenizer().save_pretrained(folder)
         if config:
             (folder / "config.json").write_text((self.shared / "model" / "config.json").read_text())
+        return str(folder)
+
+    def model_copy(self, config_text: str | None = None, drop: str | None = None, latin1: bool = False) -> str:
+        """A copy of the tiny model (weights, tokenizer) whose config.json is ``config_text``, lacks the key ``drop``,
+        or is in Latin-1 (an é in a value)."""
+        import shutil
+
+        folder = self.tmp / "copied_model"
+        shutil.copytree(self.shared / "model", folder)
+        config = json.loads((folder / "config.json").read_text())
+        if drop is not None:
+            config.pop(drop)
+        text = config_text if config_text is not None else json.dumps(config, indent=2)
+        if latin1:
+            (folder / "config.json").write_bytes(text.replace('"llama"', '"llama", "note": "café"').encode("latin-1"))
+        else:
+            (folder / "config.json").write_text(text)
+        return str(folder)
+
+    def moe_folder(self, weights: bool = False) -> str:
+        """A 2-layer, 2-expert Qwen3-MoE (experts fused: gate_up_proj, down_proj): its config.json (what `fora plan`
+        reads), with ``weights`` its weights and the tokenizer too."""
+        folder = self.tmp / "moe"
+        model = tiny_moe(num_layers=2, num_experts=2, vocab_size=99)
+        if weights:
+            model.save_pretrained(folder)
+            char_tokenizer().save_pretrained(folder)
+        else:
+            model.config.save_pretrained(folder)
         return str(folder)
 
     def read_only_output(self) -> str:
@@ -428,7 +458,8 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
     (
         "mode-one-line-labelled",
         lambda c: ["train", c.config(), "--fora_mode", "foraa"],
-        r"^fora train: error: config .*: argument --fora_mode\S*: invalid choice: 'foraa' \(choose from 'fora', ",
+        # issue 28: a value of the command line is named as such, not blamed on the config file
+        r"^fora train: error: --fora_mode on the command line: invalid choice: 'foraa' \(choose from 'fora', ",
     ),
     (
         "unknown-yaml-key-suggests-the-key",
@@ -558,6 +589,176 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
         lambda c: ["ablate", ablation_config(c, {"runs": ["lora"], "output_dir": c.file("grid.txt", "x")})],
         r"ablation\.output_dir='.*grid\.txt' is a file",
     ),
+    # ---------------------------------------------------------------- issue 28: bad input, third round
+    # tracebacks
+    (
+        "target-module-one-name-cli",
+        lambda c: ["train", c.config(drop=("lora_target_modules",)), "--lora_target_modules", "foo_proj"],
+        r"lora_target_modules=\['foo_proj'\] is invalid: the model has no module named \['foo_proj'\] .* For "
+        r"'foo_proj', did you mean o_proj\?",
+    ),
+    (
+        "target-module-one-name-yaml-list",  # TRL's ModelConfig turns a one-item list into a string
+        lambda c: ["score", c.config(lora_target_modules=["foo_proj"])],
+        r"lora_target_modules=\['foo_proj'\] is invalid: the model has no module named \['foo_proj'\]",
+    ),
+    (
+        "model-config-corrupt-json",
+        lambda c: ["train", c.config(model_name_or_path=c.model_copy('{"model_type": "llama",\n "hidden_size" 32}'))],
+        r"model_name_or_path config\.json .*copied_model/config\.json is not valid JSON: Expecting ':' delimiter at "
+        r"line 2, column 16\. Fix the file there\.$",
+    ),
+    (
+        "plan-model-config-corrupt-json",
+        lambda c: ["plan", c.config(model_name_or_path=c.model_copy('{"model_type": "llama",\n "hidden_size" 32}'))],
+        r"model_name_or_path config\.json .*config\.json is not valid JSON: Expecting ':' delimiter at line 2",
+    ),
+    (
+        "eval-base-config-not-utf8",
+        lambda c: ["eval", "--base", c.model_copy(latin1=True), "--wikitext", c.file("w.txt", "ab")],
+        r"--base config\.json='.*config\.json' is invalid: the file is not UTF-8 text \(byte 0xe9 on line \d+",
+    ),
+    (
+        "eval-mt-bench-not-utf8",
+        lambda c: ["eval", "--base", str(c.shared / "model"), "--mt-bench", c.latin1("q.jsonl")],
+        r"q\.jsonl: the file is not UTF-8 text \(byte 0xe9 on line 1 is not valid UTF-8\)\. Save it as UTF-8",
+    ),
+    (
+        "eval-mt-bench-chat-template-not-utf8",
+        lambda c: ["eval", "--base", str(c.shared / "model"), "--mt-bench", "--mt-bench-chat-template", c.latin1("t")],
+        r"--mt-bench-chat-template='.*t' is invalid: the file is not UTF-8 text \(byte 0xe9 on line 1",
+    ),
+    (
+        "eval-task-file-not-utf8",
+        lambda c: [
+            "eval",
+            "--base",
+            str(c.shared / "model"),
+            "--commonsense-dir",
+            str(Path(c.latin1("boolq/test.json")).parents[1]),
+            "--tasks",
+            "boolq",
+        ],
+        r"boolq/test\.json: the file is not UTF-8 text \(byte 0xe9 on line 1",
+    ),
+    (
+        "dataset-every-row-longer-than-max-length",
+        lambda c: ["train", c.config(max_length=8)],
+        r"max_length=8 is invalid: every one of the 16 rows of .*sums\.json has a prompt of at least 8 tokens "
+        r"\(prompts are \d+ to \d+ tokens, whole rows \d+ to \d+\), so .* TRL drops every row\. Raise max_length "
+        r"above the prompts: max_length: \d+ keeps every row whole",
+    ),
+    (
+        "plan-fused-moe-up-without-gate",
+        lambda c: ["plan", c.config(model_name_or_path=c.moe_folder())],
+        r"lora_target_modules=\['q_proj', 'k_proj', 'v_proj', 'up_proj', 'down_proj'\] is invalid: this model's MoE "
+        r"experts are fused: gate_proj and up_proj are one parameter, gate_up_proj, so up_proj cannot be adapted "
+        r"without gate_proj\. Target the fused experts with lora_target_parameters: \[mlp\.experts\.down_proj, "
+        r"mlp\.experts\.gate_up_proj\] and lora_target_modules: \[q_proj, k_proj, v_proj\], or add gate_proj",
+    ),
+    (
+        "train-fused-moe-up-without-gate",
+        lambda c: ["train", c.config(model_name_or_path=c.moe_folder(weights=True))],
+        r"lora_target_modules=\[.*'up_proj'.*\] is invalid: this model's MoE experts are fused: .*target_parameters",
+    ),
+    # silent
+    (
+        "plan-config-without-hidden-size",
+        lambda c: ["plan", c.config(model_name_or_path=c.model_copy(drop="hidden_size"))],
+        r"model_name_or_path config\.json='.*config\.json' is invalid: it has no 'hidden_size', which a 'llama' model "
+        r"needs: transformers would silently use its default \(4096\)",
+    ),
+    (
+        "train-config-without-num-layers",
+        lambda c: ["train", c.config(model_name_or_path=c.model_copy(drop="num_hidden_layers"))],
+        r"it has no 'num_hidden_layers', which a 'llama' model needs",
+    ),
+    (
+        "ablate-duplicate-runs",
+        lambda c: ["ablate", ablation_config(c, {"runs": ["lora", "lora"]})],
+        r"ablation\.runs=\['lora', 'lora'\] is invalid: 'lora' is listed 2 times: each run trains once",
+    ),
+    (
+        "score-with-scores-path",
+        lambda c: ["score", c.config(), "--fora_scores_path", c.file("s.json", json.dumps({"scores": [1.0, 2.0]}))],
+        r"fora_scores_path='.*s\.json' is invalid: `fora score` always scores every layer afresh",
+    ),
+    (
+        "score-with-layers",
+        lambda c: ["score", c.config(fora_layers=[0])],
+        r"fora_layers=\[0\] is invalid: `fora score` always scores every layer afresh",
+    ),
+    (
+        "fp16-on-the-cpu",
+        lambda c: ["train", c.config(), "--fp16", "true"],
+        r"fp16=True is invalid: on the CPU \(use_cpu: true\) fp16 mixed precision is not applied: the run would train "
+        r"in float32\. Set fp16: false",
+    ),
+    # late or unclear
+    (
+        "eval-wikitext-blank",
+        lambda c: ["eval", "--base", str(c.shared / "model"), "--wikitext", c.file("blank.txt", " \n\n")],
+        r"--wikitext='.*blank\.txt' is invalid: the file is empty \(or holds only whitespace\)",
+    ),
+    (
+        "report-kl-text-blank",
+        lambda c: ["report", c.adapter(), "--base", str(c.shared / "model"), "--kl-text", c.file("held.txt", "\n")],
+        r"--kl-text='.*held\.txt' is invalid: the file is empty",
+    ),
+    (
+        "ablate-kl-text-blank",
+        lambda c: ["ablate", ablation_config(c, {"runs": ["lora"], "eval": {"kl_text": c.file("kl.txt", "")}})],
+        r"ablation\.eval\.kl_text='.*kl\.txt' is invalid: the file is empty",
+    ),
+    (
+        "ablate-kl-text-missing",
+        lambda c: ["ablate", ablation_config(c, {"runs": ["lora"], "eval": {"kl_text": str(c.tmp / "no.txt")}})],
+        r"ablation\.eval\.kl_text='.*no\.txt' is invalid: it is not a file",
+    ),
+    (
+        "eval-mt-bench-compare-without-answers",
+        lambda c: c.eval("--mt-bench", "--judge-model", "judge", "--mt-bench-compare", "nobody"),
+        r"--mt-bench-compare='nobody' is invalid: there are no MT-Bench answers of model_id 'nobody' at "
+        r"outputs/eval/model_answer/nobody\.jsonl",
+    ),
+    # smaller
+    (
+        "json-unterminated-string",
+        lambda c: ["score", c.config(dataset_name=c.file("cut.json", '[{"instruction": "a", "output": "b}]'))],
+        r"^(?!.*at at).*cut\.json is not valid JSON: Unterminated string starting at line 1, column 33\. Fix",
+    ),
+    (
+        "cli-value-named-as-the-command-line",
+        lambda c: ["train", c.config(), "--learning_rate", "abc"],
+        r"^fora train: error: --learning_rate on the command line: invalid float value: 'abc'",
+    ),
+    (
+        "cli-library-check-named-as-the-command-line",
+        lambda c: ["train", c.config(), "--tf32", "true"],
+        r"^fora train: error: --tf32 on the command line: ",
+    ),
+    (
+        "yaml-value-named-in-the-config",
+        lambda c: ["train", c.config(learning_rate="abc")],
+        r"^fora train: error: config .*config\.yaml: learning_rate: invalid float value: 'abc'",
+    ),
+    # more of the same classes
+    (
+        "lora-dropout-with-target-parameters",
+        lambda c: ["train", c.config(lora_target_parameters=["mlp.experts.gate_up_proj"])],
+        r"lora_dropout=0\.05 is invalid: LoRA on lora_target_parameters \(fused MoE experts\) takes no dropout",
+    ),
+    (
+        "deepspeed-malformed-json",
+        lambda c: ["train", c.config(), "--deepspeed", c.file("ds.json", '{"zero_optimization": {"stage": 2,}}')],
+        r"--deepspeed on the command line .*ds\.json is not valid JSON: Expecting property name enclosed in double "
+        r"quotes at line 1, column 35",
+    ),
+    (
+        "scores-path-malformed",
+        lambda c: ["train", c.config(fora_scores_path=c.file("s.json", '{"scores": [1, 2}'))],
+        r"fora_scores_path .*s\.json is not valid JSON: .* at line 1",
+    ),
 ]
 
 
@@ -618,3 +819,41 @@ def test_a_finished_run_writes_the_selection_of_its_adapter_and_fora_report_take
     assert selection["chosen_layers"] == adapter_report(out)["adapted_layers"] and selection["scores"] != [1, 2]
     assert (out / "fora_scores.png").read_bytes() != b"\x89PNG earlier plot"
     assert main(["report", str(out)]) == 0
+
+
+@pytest.mark.parametrize(
+    "targets", [{}, {"lora_target_parameters": EXPERT_PARAMETERS, "lora_dropout": 0.0}], ids=["qkv", "qkv-experts"]
+)
+def test_a_float32_moe_plan_plans_like_the_bfloat16_one(tmp_path, targets):
+    """Issue 28, item 12: the plan of a 2-expert Qwen3-MoE in float32 (the quickstart's dtype) stopped on the fused
+    experts' grouped matmul ("Expected inputs of BF16 type"). It plans, with the FLOPs of the bfloat16 plan and
+    float32 weights."""
+    model = tiny_moe(num_layers=2, num_experts=2)
+    model.config.save_pretrained(tmp_path / "moe")
+    payloads = {}
+    for dtype in ("float32", "bfloat16"):
+        keys = {"model_name_or_path": str(tmp_path / "moe"), "dtype": dtype, "lora_r": 2, "lora_alpha": 4}
+        keys.update({"lora_target_modules": ["q_proj", "k_proj", "v_proj"], "per_device_train_batch_size": 2})
+        keys.update({"max_length": 16, "output_dir": str(tmp_path / dtype), "report_to": "none", **targets})
+        config = tmp_path / f"{dtype}.yaml"
+        config.write_text(yaml.safe_dump(keys))
+        assert main(["plan", str(config)]) == 0
+        payloads[dtype] = json.loads((tmp_path / dtype / "plan.json").read_text())
+    fp32, bf16 = payloads["float32"]["phases"], payloads["bfloat16"]["phases"]
+    assert fp32.keys() == bf16.keys() == {"fora", "fg-lora", "lora"}
+    for mode, phases in fp32.items():
+        for name, phase in phases.items():
+            assert phase["flops"] == bf16[mode][name]["flops"] > 0
+    weights = sum(p.numel() * 4 for p in model.parameters()) + sum(b.numel() * 4 for b in model.buffers())
+    assert fp32["lora"]["step"]["by_kind_bytes"]["weights"] == weights
+
+
+def test_one_valid_target_name_reaches_peft_as_a_list(shared, tmp_path):
+    """The other side of the target-module-one-name rows: `--lora_target_modules q_proj` (or a YAML `[q_proj]`,
+    which TRL turns into "q_proj") is the name q_proj for PEFT, not a regex that matches no module."""
+    from fora_plugin.recipe import parse_config
+
+    config = Ctx(shared, tmp_path).config(drop=("lora_target_modules",))
+    assert parse_config(config, ["--lora_target_modules", "q_proj"])[2].lora_target_modules == ["q_proj"]
+    config = Ctx(shared, tmp_path).config(lora_target_modules=["v_proj"])
+    assert parse_config(config, [])[2].lora_target_modules == ["v_proj"]

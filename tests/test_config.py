@@ -143,7 +143,7 @@ def test_parse_config_reports_a_bad_choice_in_one_line_without_the_usage(tmp_pat
     from fora_plugin.recipe import parse_config
 
     config = _yaml(tmp_path, f"output_dir: {tmp_path}\n")
-    with pytest.raises(ValueError, match=r"argument --fora_mode\S*: invalid choice: 'foraa'") as info:
+    with pytest.raises(ValueError, match=r"^--fora_mode on the command line: invalid choice: 'foraa'") as info:
         parse_config(config, ["--fora_mode", "foraa"])
     assert "usage" not in str(info.value) and "\n" not in str(info.value)
 

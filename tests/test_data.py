@@ -237,3 +237,20 @@ def test_a_hub_name_that_cannot_be_reached_is_refused_by_name(monkeypatch):
         ValueError, match=r"dataset_name='org/nothing' is neither a local file or folder nor a dataset"
     ):
         load_train_dataset("org/nothing")
+
+
+def test_rows_whose_prompt_fills_max_length_are_refused_all_or_warned_some():
+    """TRL truncates to max_length from the start and drops a row left without a completion token."""
+    from types import SimpleNamespace
+
+    from conftest import char_tokenizer
+
+    from fora_plugin.data import check_rows_fit
+
+    rows = Dataset.from_list([{"prompt": "abcdef", "completion": "gh"}, {"prompt": "ab", "completion": "cd"}])
+    args = SimpleNamespace(max_length=4, packing=False, truncation_mode="keep_start", completion_only_loss=None)
+    with pytest.warns(UserWarning, match=r"d\.json: 1 of 2 rows have a prompt of at least max_length=4 tokens"):
+        check_rows_fit(rows, char_tokenizer(), args, "d.json")
+    with pytest.raises(ValueError, match=r"max_length=2 is invalid: every one of the 2 rows .*\(prompts are 2 to 6 "):
+        check_rows_fit(rows, char_tokenizer(), SimpleNamespace(**{**vars(args), "max_length": 2}), "d.json")
+    check_rows_fit(rows, char_tokenizer(), SimpleNamespace(**{**vars(args), "packing": True}), "d.json")  # TRL's

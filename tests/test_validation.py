@@ -15,12 +15,15 @@ from fora_plugin.validation import (
     check_adapter_folder,
     check_checkpoint,
     check_completions,
+    check_model_config,
     check_model_folder,
     check_number,
     check_output_folder,
     check_selection_matches_adapter,
     check_target_modules,
     check_target_parameters,
+    json_error_position,
+    target_names,
 )
 
 
@@ -194,3 +197,48 @@ def test_target_parameters_are_checked_against_the_models_parameters(tmp_path):
     check_target_parameters(str(tmp_path), EXPERT_PARAMETERS, key="lora_target_parameters")
     with pytest.raises(ValueError, match=r"no parameter named \['mlp.experts.gate_proj'\] \(its fused expert par"):
         check_target_parameters(str(tmp_path), ["mlp.experts.gate_proj"], key="lora_target_parameters")
+
+
+def test_one_target_name_given_alone_is_a_list_of_one():
+    """TRL's ModelConfig turns `[q_proj]` into "q_proj", which PEFT reads as a regex of a whole module name."""
+    assert target_names("q_proj") == ["q_proj"] and target_names("model.layers.0.mlp") == ["model.layers.0.mlp"]
+    assert target_names("all-linear") == "all-linear" and target_names(r".*\.q_proj") == r".*\.q_proj"
+    assert target_names(["q_proj"]) == ["q_proj"] and target_names(None) is None
+
+
+def test_fused_moe_targets_are_accepted_whole_and_refused_in_part():
+    config = tiny_moe(2, num_experts=2).config
+    for whole in (["q_proj", "gate_proj", "up_proj", "down_proj"], ["down_proj"], ["mlp.gate"]):
+        check_target_modules(config, whole, key="lora_target_modules")  # what PEFT converts to target_parameters
+    with pytest.raises(ValueError, match=r"gate_proj and up_proj are one parameter, gate_up_proj, so gate_proj"):
+        check_target_modules(config, ["gate_proj"], key="lora_target_modules")
+
+
+def test_model_config_needs_the_shape_keys_of_its_architecture(tmp_path):
+    from transformers import GPT2Config, Qwen3MoeConfig
+
+    def written(config: dict) -> str:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        return str(tmp_path / "config.json")
+
+    gpt2 = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96).to_dict()
+    assert check_model_config(written(gpt2))["n_embd"] == 32
+    with pytest.raises(ValueError, match=r"it has no 'n_embd', which a 'gpt2' model needs: .*default \(768\)"):
+        check_model_config(written({k: v for k, v in gpt2.items() if k != "n_embd"}))
+    moe = Qwen3MoeConfig(num_experts=2).to_dict()  # saved under its attribute's name, num_local_experts
+    check_model_config(written(moe))
+    with pytest.raises(ValueError, match=r"it has no 'num_experts', which a 'qwen3_moe' model needs"):
+        check_model_config(written({k: v for k, v in moe.items() if k != "num_local_experts"}))
+    text = {k: v for k, v in tiny_llama(2).config.to_dict().items() if k != "hidden_size"}
+    with pytest.raises(ValueError, match=r"it has no 'text_config\.hidden_size', which a 'llama' model"):
+        check_model_config(written({"model_type": "custom", "text_config": text}))
+    check_model_config(written({"model_type": "not-in-transformers"}))  # transformers words its own refusal
+
+
+def test_json_errors_say_where_once():
+    with pytest.raises(json.JSONDecodeError) as info:
+        json.loads('{"a": "b')
+    assert json_error_position(info.value) == "Unterminated string starting at line 1, column 7"
+    with pytest.raises(json.JSONDecodeError) as info:
+        json.loads('{"a": 1,\n "b" 2}')
+    assert json_error_position(info.value, first_line=5) == "Expecting ':' delimiter at line 6, column 6"
