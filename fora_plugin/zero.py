@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import json
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -47,7 +46,9 @@ import torch.distributed as dist
 from torch.optim import AdamW
 
 from .config import FoRAConfig
+from .errors import refuse
 from .optim import CayleyAdam, fora_optimizer_parts, stiefel_step_with_gradients
+from .validation import read_json
 
 
 __all__ = [
@@ -639,14 +640,15 @@ def join_deepspeed_process_group(args: Any) -> None:
 _FP32_NAMES = ("fp32", "float32", "float", "torch.float32")
 
 
-def load_deepspeed_config(deepspeed: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-    """A DeepSpeed config given as a path to a JSON file or as a dict."""
+def load_deepspeed_config(deepspeed: str | Path | Mapping[str, Any], name: str = "deepspeed") -> dict[str, Any]:
+    """A DeepSpeed config given as a path to a JSON file or as a dict; ``name`` is how the caller's config spells the
+    setting, for the messages."""
     if isinstance(deepspeed, Mapping):
         return dict(deepspeed)
     path = Path(deepspeed)
     if not path.is_file():
-        raise ValueError(f"deepspeed={str(deepspeed)!r} is not a file: give the path of a DeepSpeed JSON config.")
-    return json.loads(path.read_text())
+        refuse(name, str(deepspeed), "it is not a file", "Give the path of a DeepSpeed JSON config.")
+    return read_json(path, key=name)
 
 
 def check_deepspeed_config(ds: Mapping[str, Any], fora: FoRAConfig, name: str = "deepspeed") -> None:
