@@ -37,10 +37,6 @@ try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # a torch build without torch.distributed
     DTensor = None
-try:
-    from torch._subclasses.fake_tensor import FakeTensor
-except ImportError:  # no fake tensors: every CPU tensor is a real one
-    FakeTensor = None
 
 
 # State entries kept in the compute dtype (fp32, or fp64 for fp64 parameters), whatever the parameter's dtype.
@@ -450,18 +446,6 @@ def _cayley_adam_batch_step(
     def expert_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return tensors if num_experts == 1 else [expert_blocks(t, num_experts) for t in tensors]
 
-    # On the CPU every large allocation is fresh pages from the OS (for LLaMA-3.1-8B's lora_B at r 32, 65 ms of page
-    # faults a step, more than the copies): the buffers are kept. An accelerator's caching allocator reuses freed
-    # blocks and lends them to activations between steps, so there they live for the step only. Fake tensors stand
-    # for an accelerator's (fora plan).
-    kept = optimizer.__dict__.setdefault("_fora_scratch", {}) if _keeps_scratch(first) else {}
-
-    def scratch(n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (n, d, 2 * r, dtype, device)
-        if key not in kept:
-            kept[key] = tuple(torch.empty(key[:3], dtype=dtype, device=device) for _ in range(2))
-        return kept[key]
-
     params, states, points, moments, buffers, norms = [], [], [], [], [], []
     for bucket in buckets:
         bucket_params = [p for p, _ in bucket]
@@ -469,7 +453,8 @@ def _cayley_adam_batch_step(
         bucket_points = [_local(s.get("master", p)) for p, s in zip(bucket_params, bucket_states)]  # (d, r·E)
         bucket_moments = [_local(s["exp_avg"]) for s in bucket_states]
         n, d = len(bucket) * num_experts, bucket_points[0].shape[0]
-        P, Q = scratch(n, d)  # [B, m]; G, then [B_{t+1}, m_{t+1}]
+        P = torch.empty((n, d, 2 * r), dtype=dtype, device=device)  # [B, m]
+        Q = torch.empty_like(P)  # G, then [B_{t+1}, m_{t+1}]
         # G in the first half of Q, a contiguous (n, d, r) tensor: the passes over G run several times faster on it
         # than on a strided half (8x for the norm). The product that writes Q comes after the last read of G.
         G = Q.view(-1)[: Q.numel() // 2].view(n, d, r)
@@ -529,10 +514,6 @@ def _cayley_adam_batch_step(
     values = {"exp_avg_sq": v, "step": step, "skipped_steps": counts[0], "reprojections": counts[1]}
     for key, value in values.items():
         torch._foreach_copy_([s[key] for s in states], list(value.view(len(params), *scalar_shape).unbind(0)))
-
-
-def _keeps_scratch(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and not (FakeTensor is not None and isinstance(t, FakeTensor))
 
 
 class _Constants:
