@@ -486,7 +486,7 @@ def test_every_transformers_scheduler_keeps_the_lr_ratio_or_is_refused(name):
         assert len(set(lrs)) > 1  # the schedule did act
 
 
-# ---- stacked storage, host syncs, graph breaks, optimizer state saved by the old step -----------------------------
+# ---- the step against the old one, host syncs, graph breaks, optimizer state saved by the old step ----------------
 
 
 def reference_optimizer_class():
@@ -581,7 +581,7 @@ def test_a_parameter_without_a_gradient_or_replaced_storage_keeps_its_point_and_
     for step in range(6):
         set_random_grads(params, gen)
         if step == 2:
-            params[0].grad = None  # not stepped: the others form a new stack
+            params[0].grad = None  # not stepped: its point and state stay as they are
         if step == 4:
             with torch.no_grad():
                 params[2].data = params[2].detach().clone()  # storage replaced from outside (e.g. .to())
@@ -628,7 +628,7 @@ def test_steps_make_no_host_sync_first_later_skipped_or_reprojected(kind):
     opt, params, set_grads = new_stepped(kind)
     set_grads()
     with HostSyncCounter() as syncs:
-        opt.step()  # the first: state made, points projected, stacks built
+        opt.step()  # the first: state made, points projected
     assert syncs.count == 0, syncs.report()
     for case in ("later", "skip", "drift", "periodic"):
         set_grads()
@@ -683,7 +683,7 @@ def test_state_tensors_are_contiguous_and_carry_the_whole_state():
                 assert torch.equal(src.state[p][key], dst.state[q][key])
 
 
-def test_the_stacked_step_runs_on_fake_and_meta_tensors():
+def test_the_step_runs_on_fake_and_meta_tensors():
     # fora plan and the device-placement tests run the optimizer on tensors without data.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
