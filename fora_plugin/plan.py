@@ -171,10 +171,14 @@ def find_model_config(model_ref: str, explicit: str | None = None) -> Path:
     )
 
 
-def load_model_config(path: Path):
-    """The transformers config in ``path``; refused unless it describes a causal LM transformers can build."""
+def load_model_config(path: Path, key: str = "model_name_or_path"):
+    """The transformers config in ``path``; refused unless it is UTF-8 JSON holding every shape key its architecture
+    needs (``key`` names it then) and describes a causal LM transformers can build."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .validation import check_model_config
+
+    check_model_config(path, key)
     try:
         config = AutoConfig.from_pretrained(str(path))
     except (OSError, ValueError, KeyError) as error:
@@ -218,6 +222,7 @@ def plan_setup(
 
     from .fsdp import check_fsdp
     from .recipe import load_yaml_config, parse_config
+    from .validation import check_target_modules, check_target_parameters
     from .zero import check_deepspeed_config, load_deepspeed_config
 
     data = load_yaml_config(config)
@@ -249,7 +254,7 @@ def plan_setup(
     if model_args.model_name_or_path is None:
         raise ValueError(f"config {config} has no model_name_or_path: name the model to plan for.")
     path = find_model_config(model_args.model_name_or_path, model_config)
-    hf_config = load_model_config(path)
+    hf_config = load_model_config(path, "--model-config" if model_config is not None else "model_name_or_path")
 
     engine = "ddp" if gpus > 1 else "single"
     if deepspeed:
@@ -287,6 +292,9 @@ def plan_setup(
             )
     model_args.use_peft = True
     lora = get_peft_config(model_args)
+    # Against the model, as `fora train` checks them: PEFT's errors on the fake model would be tracebacks.
+    for name, check in (("modules", check_target_modules), ("parameters", check_target_parameters)):
+        check(hf_config, getattr(model_args, f"lora_target_{name}"), key=f"lora_target_{name}")
     # transformers 5.23 renamed gradient_checkpointing to activation_checkpointing (the old name is deprecated).
     name = (
         "activation_checkpointing" if hasattr(training_args, "activation_checkpointing") else "gradient_checkpointing"
@@ -348,14 +356,47 @@ def _wrap_lora(setup: PlanSetup, base: nn.Module):
 
 
 def planned_layers(setup: PlanSetup, num_layers: int) -> list[int]:
-    """The K layers planned for: the config's own (fora_layers) or, when scoring chooses them, every (L/K)-th from
-    layer 0: the lowest layer adapted, so the backward runs through every layer, the most any K layers can need."""
-    from .selection import check_layer_indices, resolve_layer_budget
+    """The K layers planned for (see :func:`planned_placement`)."""
+    return planned_placement(setup, num_layers)[0]
 
-    if setup.fora.layers is not None:
-        return sorted(check_layer_indices(setup.fora.layers, num_layers))
-    k = resolve_layer_budget(setup.fora.layer_budget, num_layers)
-    return [round(i * num_layers / k) for i in range(k)]
+
+def planned_placement(setup: PlanSetup, num_layers: int) -> tuple[list[int], str]:
+    """The K layers planned for, and a note saying where they come from.
+
+    The run's own layers when the config decides them without scoring: ``fora_layers``, the top K of the scores in
+    ``fora_scores_path``, or a control strategy (``first``, ``last``, ``random`` with the run's seed). When Fisher
+    scoring chooses them at run time, every (L/K)-th layer from layer 0: the lowest layer is adapted, so the backward
+    runs through every layer, the most any K layers can cost.
+    """
+    from .selection import check_layer_indices, resolve_layer_budget, select_layers
+    from .wiring import FoRASelection
+
+    fora = setup.fora
+    if fora.layers is not None:
+        layers = sorted(check_layer_indices(fora.layers, num_layers))
+        return layers, f"fora/fg-lora layers: {layers}, as fora_layers gives them"
+    k = resolve_layer_budget(fora.layer_budget, num_layers)
+    seed = fora.seed if fora.seed is not None else setup.training_args.seed
+    if fora.scores_path is not None:
+        scores = FoRASelection.read(fora.scores_path).get("scores")
+        if scores is None or len(scores) != num_layers:
+            held = "no scores" if scores is None else f"scores for {len(scores)} layers"
+            raise ValueError(
+                f"fora_scores_path={fora.scores_path!r} holds {held}, but this model has {num_layers} decoder "
+                "layers: give the fora_scores.json of a run on this model, or leave fora_scores_path unset."
+            )
+        layers = select_layers(scores, k, strategy=fora.layer_strategy, seed=seed)
+        return layers, f"fora/fg-lora layers: {layers}, the top {k} of the scores in fora_scores_path"
+    if fora.layer_strategy != "fisher":
+        layers = select_layers(None, k, strategy=fora.layer_strategy, num_layers=num_layers, seed=seed)
+        return layers, f"fora/fg-lora layers: {layers}, fora_layer_strategy={fora.layer_strategy!r}"
+    layers = [round(i * num_layers / k) for i in range(k)]
+    shown = ", ".join(map(str, layers[:3])) + (", ..." if k > 3 else "")
+    return layers, (
+        f"fora/fg-lora layers: Fisher scoring chooses them at run time, so the plan takes the worst case, {k} layers "
+        f"spread from layer 0 ({shown}: the backward runs through every layer); give fora_scores_path (e.g. from "
+        "`fora score`) or fora_layers to plan the real placement"
+    )
 
 
 def _plan_selection(setup: PlanSetup, model: nn.Module, planned: list[int] | None = None):
@@ -483,7 +524,7 @@ def _autocast(setup: PlanSetup, device: torch.device):
 
 
 def _trainer_view(setup: PlanSetup, model: nn.Module):
-    """What trainer.checkpoint_as_in_training and trainer.fora_optimizer read from a Trainer."""
+    """What trainer.checkpoint_as_in_training, trainer.fora_optimizer and the backward stop use of a Trainer."""
     from transformers import Trainer
 
     class View:
@@ -492,6 +533,9 @@ def _trainer_view(setup: PlanSetup, model: nn.Module):
 
         def get_decay_parameter_names(self, m):
             return Trainer.get_decay_parameter_names(self, m)
+
+        def add_callback(self, callback):
+            pass  # the plan runs one step and no train(): nothing for a callback to do
 
     view = View()
     view.model = model
@@ -512,16 +556,28 @@ def _register_weights(tracker, kinds: _Kinds, model: nn.Module, setup: PlanSetup
         kinds.mark([tracker.register(b)], "weights")
 
 
-def _prepare(setup: PlanSetup, model: nn.Module, fake_mode, device: torch.device) -> list[nn.Linear]:
+def _prepare(
+    setup: PlanSetup, model: nn.Module, fake_mode, device: torch.device, *, stop_backward: bool = False
+) -> list[nn.Linear]:
+    """``model`` on fake tensors, checkpointed as in training; ``stop_backward``: FoRA's training step, whose
+    backward stops at the lowest adapted layer (:mod:`fora_plugin.backward`), where scoring and plain LoRA keep
+    SFTTrainer's embeddings hook and run the backward through every layer."""
+    from .backward import disable_input_require_grads, stop_backward_at_lowest_adapted_layer
     from .trainer import checkpoint_as_in_training
 
     _fakeify(model, fake_mode, device)
     linears = _four_bit_linears(model) if setup.four_bit is not None else []
     for m in linears:
         m.weight.quant_state = _PackedFourBit(setup.four_bit)
-    checkpoint_as_in_training(_trainer_view(setup, model))
+    view = _trainer_view(setup, model)
+    checkpoint_as_in_training(view)
     if setup.checkpointing:
-        model.enable_input_require_grads()  # SFTTrainer does, for PEFT + checkpointing
+        # SFTTrainer's call, for PEFT + checkpointing. activation_checkpointing_enable has just added the same hook:
+        # taken off first, or its handle would be overwritten and the hook stay out of the backward stop's reach.
+        disable_input_require_grads(model)
+        model.enable_input_require_grads()
+    if stop_backward:
+        stop_backward_at_lowest_adapted_layer(view, verbose=False)
     model.train()
     return linears
 
@@ -612,7 +668,7 @@ def _step_phases(
         with torch.device("meta"):
             readapt_lora(model, _plan_selection(setup, model.get_base_model(), planned), fora, seed=0)
     with fake_mode:
-        linears = _prepare(setup, model, fake_mode, device)
+        linears = _prepare(setup, model, fake_mode, device, stop_backward=bool(fora_modes))
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         tracker, kinds = _tracked(setup, model)
         with tracker:
@@ -837,14 +893,64 @@ def _measure(setup: PlanSetup, modes: tuple[str, ...], planned: list[int], scori
     device = torch.device("cpu")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     out: dict[str, list[Phase]] = {}
-    if scoring:
-        out["scoring"] = [_scoring_phase(setup, fake_mode, device)]
-    fora_modes = tuple(m for m in modes if m != "lora")
-    if fora_modes:
-        out.update(_step_phases(setup, fora_modes, fake_mode, device, planned))
-    if "lora" in modes:
-        out.update(_step_phases(setup, ("lora",), fake_mode, device, planned))
+    with _grouped_mm_in_any_dtype():
+        if scoring:
+            out["scoring"] = [_scoring_phase(setup, fake_mode, device)]
+        fora_modes = tuple(m for m in modes if m != "lora")
+        if fora_modes:
+            out.update(_step_phases(setup, fora_modes, fake_mode, device, planned))
+        if "lora" in modes:
+            out.update(_step_phases(setup, ("lora",), fake_mode, device, planned))
     return out
+
+
+@contextlib.contextmanager
+def _grouped_mm_in_any_dtype():
+    """Fake tensors run MoE experts' ``torch._grouped_mm`` in float32 and float16 as in bfloat16.
+
+    Its meta kernel (what fake tensors run) has only the CUDA fast path's bfloat16 check, while the kernels that the
+    run itself calls (on the CPU, and CUDA's fallback) take every float dtype: a float32 MoE plan would stop on
+    "Expected inputs of BF16 type". The shapes are checked by the meta kernel on bfloat16 stand-ins, and the output
+    is made in the inputs' dtype; both happen inside the fake mode's dispatch, below the tracker, which sees the one
+    output alone.
+    """
+    from torch._subclasses import fake_impls
+
+    grouped_mm = torch.ops.aten._grouped_mm.default
+
+    def impl(fake_mode, func, mat_a, mat_b, *args, out_dtype=None, **kwargs):
+        if mat_a.dtype == mat_b.dtype == torch.bfloat16:
+            return NotImplemented  # the meta kernel's own case
+        checked = func(mat_a.to(torch.bfloat16), mat_b.to(torch.bfloat16), *args, **kwargs)
+        return torch.empty_like(checked, dtype=out_dtype or mat_a.dtype)
+
+    entry = (lambda func: func is grouped_mm, impl)
+    fake_impls.op_implementations_checks.append(entry)
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_checks.remove(entry)
+
+
+def _measure_depths(
+    setup: PlanSetup,
+    modes: tuple[str, ...],
+    planned: list[int],
+    scoring: bool,
+    depths: tuple[int, ...],
+    num_layers: int,
+) -> dict[str, list[Phase]] | str:
+    """:func:`_measure` at each of ``depths`` layers, extrapolated to ``num_layers`` (or why that did not hold)."""
+    runs = [
+        _measure(
+            dataclasses.replace(setup, model_config=truncated_config(setup.model_config, d)),
+            modes,
+            [layer for layer in planned if layer < d],
+            scoring,
+        )
+        for d in depths
+    ]
+    return _extrapolate(runs, depths, num_layers)
 
 
 def run_plan(setup: PlanSetup, modes: tuple[str, ...] = MODES, *, full_depth: bool = False) -> dict[str, Any]:
@@ -868,7 +974,9 @@ def run_plan(setup: PlanSetup, modes: tuple[str, ...] = MODES, *, full_depth: bo
 
     base = _meta_model(setup)
     num_layers = len(find_decoder_layers(base)[1])
-    planned = planned_layers(setup, num_layers)
+    planned, placement = planned_placement(setup, num_layers)
+    if any(m != "lora" for m in modes) and setup.fora.selects_layers:
+        result["notes"].append(placement)
     depths = None
     # A config whose layer count is not num_hidden_layers (a nested text config) cannot be cut: all layers run.
     if not full_depth and getattr(setup.model_config, "num_hidden_layers", None) == num_layers:
@@ -877,22 +985,21 @@ def run_plan(setup: PlanSetup, modes: tuple[str, ...] = MODES, *, full_depth: bo
     del base
     measured = None
     if depths is not None:
-        runs = [
-            _measure(
-                dataclasses.replace(setup, model_config=truncated_config(setup.model_config, d)),
-                modes,
-                [layer for layer in planned if layer < d],
-                scoring,
-            )
-            for d in depths
-        ]
-        measured = _extrapolate(runs, depths, num_layers)
+        measured = _measure_depths(setup, modes, planned, scoring, depths, num_layers)
+        period = depths[1] - depths[0]
+        later = tuple(d + period for d in depths)
+        if isinstance(measured, str) and later[-1] <= num_layers and _saves_time(later, num_layers):
+            # The lowest adapted layer forms no gradient of its input (the backward stops there): when it lies in the
+            # first period, that period's transient peak can differ from the others'. One period later it does not.
+            depths = later
+            measured = _measure_depths(setup, modes, planned, scoring, depths, num_layers)
         if isinstance(measured, str):
             result["notes"].append(f"depth extrapolation did not hold ({measured}): ran all {num_layers} layers")
             measured = depths = None
         else:
+            period = depths[1] - depths[0]
             result["notes"].append(
-                f"the {num_layers} decoder layers repeat every {depths[0]}: ran {', '.join(map(str, depths))} of "
+                f"the {num_layers} decoder layers repeat every {period}: ran {', '.join(map(str, depths))} of "
                 f"them and extrapolated (every count on one line; --full-depth runs all {num_layers})"
             )
     if measured is None:

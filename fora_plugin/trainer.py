@@ -10,7 +10,9 @@ only. Under DeepSpeed ZeRO-1/2 the Stiefel ``lora_B`` are stepped beside the par
 under FSDP2 each rank steps its rows of every ``lora_B`` (:mod:`fora_plugin.fsdp`).
 Overridden, and why:
 
-- ``__init__``: the selection and the re-adapt described above, and the DeepSpeed and FSDP checks.
+- ``__init__``: the selection and the re-adapt described above, and the DeepSpeed and FSDP checks; then the backward
+  is made to stop at the lowest adapted layer, with activation checkpointing too (:mod:`fora_plugin.backward`:
+  TRL's embeddings hook off, a pre-hook on that layer under reentrant checkpointing).
 - ``create_optimizer``: the single AdamW + Cayley-Adam optimizer (``build_fora_optimizer``; under DeepSpeed its
   ZeRO client form).
 - ``log``: adds the largest ‖BᵀB − I‖ and the mean effective rank of ΔW to every log, and the selection once
@@ -42,6 +44,12 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_utils import get_last_checkpoint
 from trl import SFTTrainer
 
+from .backward import (
+    BackwardStop,
+    checkpointing_settings,
+    disable_input_require_grads,
+    stop_backward_at_lowest_adapted_layer,
+)
 from .config import FoRAConfig
 from .fisher import FisherScores, fisher_scores
 from .fsdp import check_fsdp, prepare_fsdp2
@@ -177,14 +185,14 @@ def checkpoint_as_in_training(trainer: Trainer) -> None:
     would switch it on anyway.
     """
     args, model = trainer.args, trainer.model
-    # transformers 5.23 renamed gradient_checkpointing* to activation_checkpointing* (the old names are deprecated
-    # aliases); Axolotl 0.21 pins transformers 5.20, which has the old names only.
     new_names = hasattr(model, "activation_checkpointing_enable")
-    enabled = args.activation_checkpointing if new_names else args.gradient_checkpointing
+    enabled, kwargs = checkpointing_settings(args, model)
     active = model.is_activation_checkpointing if new_names else model.is_gradient_checkpointing
     if not enabled or active:
         return
-    kwargs = dict((args.activation_checkpointing_kwargs if new_names else args.gradient_checkpointing_kwargs) or {})
+    # The enable call adds an embeddings hook (enable_input_require_grads) and keeps only its handle: the hook TRL or
+    # Axolotl added before would stay on with its handle lost, out of reach of disable_input_require_grads.
+    disable_input_require_grads(model)
     every_n_layers = kwargs.pop("every_n_layers", 1)
     offload = kwargs.pop("offload", False)
     if new_names:
@@ -339,6 +347,7 @@ class FoRASFTTrainer(SFTTrainer):
                 "method (its rank, alpha, dropout and target modules come from the LoraConfig)."
             )
         self.fora_selection: FoRASelection | None = None
+        self.fora_backward_stop: BackwardStop | None = None
         self._fora_logs: FoRALogs | None = None
         if args is not None:
             check_learning_rate(args.learning_rate)
@@ -378,6 +387,9 @@ class FoRASFTTrainer(SFTTrainer):
             score=lambda: self.fora_score(peft_config),
         )
         readapt_lora(self.model, selection, fora_config, self._fora_seed)
+        # With activation checkpointing the backward would run through every layer (TRL's embeddings hook): it stops
+        # at the lowest adapted layer instead, now and at every train() (None: something trainable lies below).
+        self.fora_backward_stop = stop_backward_at_lowest_adapted_layer(self)
         self.fora_selection = selection
         self._fora_logs = FoRALogs(selection)
         self.add_callback(SaveSelectionCallback(selection))

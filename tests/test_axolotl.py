@@ -23,11 +23,12 @@ from conftest import TARGETS, char_tokenizer, tiny_llama  # noqa: E402
 from datasets import load_from_disk  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 
 from fora_plugin import FoRAConfig  # noqa: E402
 from fora_plugin.axolotl import PLUGIN_NAME, FoRAArgs, FoRAPlugin  # noqa: E402
 from fora_plugin.axolotl.args import fora_config_from, fora_enabled  # noqa: E402
+from fora_plugin.backward import BackwardStopCallback, lowest_adapted_layer  # noqa: E402
 from fora_plugin.fisher import fisher_scores  # noqa: E402
 from fora_plugin.stiefel import orthogonality_error  # noqa: E402
 
@@ -447,9 +448,10 @@ class ProbePlugin(BasePlugin):
 
     def post_trainer_create(self, cfg, trainer):
         self.scoring, self.calls = self.calls, []
+        self.lowest = lowest_adapted_layer(trainer.model)
 
     def post_train(self, cfg, model):
-        record = {"scoring": self.scoring, "training": self.calls}
+        record = {"scoring": self.scoring, "training": self.calls, "lowest_adapted": self.lowest}
         (Path(cfg.output_dir) / "probe.json").write_text(json.dumps(record))
 
 
@@ -463,10 +465,90 @@ def test_axolotl_scoring_runs_with_the_checkpointing_and_autocast_of_a_training_
     )
     axolotl_train(workspace, config)
     record = json.loads((workspace / "probe" / "probe.json").read_text())
-    assert len(record["scoring"]) == 2 * FISHER_BATCHES and len(record["training"]) == 2 * 2  # forward + recompute
+    # Scoring: forward + recompute of every layer. Training recomputes layer 0 only if LoRA is on it: the backward
+    # stops at the lowest adapted layer.
+    per_step = 2 if record["lowest_adapted"] == 0 else 1
+    assert len(record["scoring"]) == 2 * FISHER_BATCHES and len(record["training"]) == 2 * per_step
     assert (
         {tuple(c) for c in record["scoring"]} == {tuple(c) for c in record["training"]} == {(True, "torch.bfloat16")}
     )
+
+
+# ---------------------------------------------------------------------- the backward stops at the lowest adapted layer
+BELOW = 2  # fora_layers [2, 3] of 4: the embeddings and layers 0 and 1 lie below
+
+
+class BackwardProbePlugin(BasePlugin):
+    """Listed after FoRA: counts the backward calls of every module below layer 2 and the forwards of layer 0's MLP
+    (2 per step when the layer is recomputed), and keeps the first step's gradients, in ``backward_probe.pt``."""
+
+    undo = False
+
+    def get_training_args(self, cfg):
+        return {"use_cpu": True}
+
+    def post_trainer_create(self, cfg, trainer):
+        if self.undo:  # the behaviour before: FoRA's stop taken off, Trainer.train's embeddings hook stays
+            (callback,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, BackwardStopCallback)]
+            callback.stop.remove()
+            trainer.remove_callback(callback)
+        base = trainer.model.get_base_model()
+        below = {"embed_tokens": base.model.embed_tokens}
+        for i in range(BELOW):
+            below |= {f"layers.{i}.{n}".rstrip("."): m for n, m in base.model.layers[i].named_modules()}
+        self.backward, self.mlp_forwards, self.grads = {}, 0, {}
+        for name, module in below.items():
+            module.register_full_backward_hook(lambda m, gi, go, name=name: self._count(name))
+        base.model.layers[0].mlp.register_forward_pre_hook(self._count_mlp)
+        probe = self
+
+        class Grads(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+                if not probe.grads:
+                    probe.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+        trainer.add_callback(Grads())
+
+    def _count(self, name):
+        self.backward[name] = self.backward.get(name, 0) + 1
+
+    def _count_mlp(self, module, args):
+        self.mlp_forwards += 1
+
+    def post_train(self, cfg, model):
+        record = {"backward": self.backward, "mlp_forwards": self.mlp_forwards, "grads": self.grads}
+        torch.save(record, Path(cfg.output_dir) / "backward_probe.pt")
+
+
+class BackwardProbeWithoutStopPlugin(BackwardProbePlugin):
+    undo = True
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_axolotl_backward_stops_at_the_lowest_adapted_layer_with_the_same_lora_grads(workspace, reentrant):
+    records = {}
+    for probe in ("BackwardProbePlugin", "BackwardProbeWithoutStopPlugin"):
+        name = f"backward-{reentrant}-{probe}"
+        config = fora_config(
+            workspace,
+            name,
+            plugins=[PLUGIN_NAME, f"{__name__}.{probe}"],
+            fora_layers=[2, 3],
+            fora_init_a="gaussian",  # with A = 0 every lora_B gradient is zero
+            gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+            max_grad_norm=0.0,  # the gradients as the backward left them
+            max_steps=1,
+        )
+        axolotl_train(workspace, config)
+        records[probe] = torch.load(workspace / name / "backward_probe.pt")
+    stop, old = records["BackwardProbePlugin"], records["BackwardProbeWithoutStopPlugin"]
+    assert stop["backward"] == {} and stop["mlp_forwards"] == 1
+    assert old["backward"] and old["mlp_forwards"] == 2  # the counters see the old behaviour's backward below
+    assert stop["grads"].keys() == old["grads"].keys() and len(old["grads"]) == 2 * 2 * len(TARGETS)
+    for name, grad in old["grads"].items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(stop["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_the_entry_point_name_stops_the_run_with_the_dotted_name(workspace):

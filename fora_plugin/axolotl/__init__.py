@@ -7,7 +7,8 @@ in ``post_trainer_create`` (the trainer's dataloader and loss exist, its optimiz
    data, masks, packing and loss that training will use;
 2. the adapter is taken off and put back under the same name, with the same LoraConfig object, on the chosen layers
    only, and its ``lora_B`` made Stiefel;
-3. the trainer gets FoRA's optimizer, FoRA's log entries and the callback that saves the selection in checkpoints;
+3. the backward stops at the lowest adapted layer, with activation checkpointing too (:mod:`fora_plugin.backward`);
+4. the trainer gets FoRA's optimizer, FoRA's log entries and the callback that saves the selection in checkpoints;
    under DeepSpeed ZeRO-1/2, FoRA's ZeRO client optimizer and its checkpoint callback (:mod:`fora_plugin.zero`);
    under FSDP2 (``fsdp_config``), the checks and callback of :mod:`fora_plugin.fsdp`, and logs read from the
    adapters gathered whole.
@@ -34,6 +35,7 @@ from axolotl.utils.train import determine_last_checkpoint
 from peft import PeftModel
 from transformers import Trainer
 
+from ..backward import stop_backward_at_lowest_adapted_layer
 from ..config import PREFIX, FoRAConfig
 from ..fsdp import prepare_fsdp2
 from ..models import resolve_model_path
@@ -112,6 +114,11 @@ class FoRAPlugin(BasePlugin):
         )
         autocast = cfg.peft_autocast_adapter_dtype if cfg.peft_autocast_adapter_dtype is not None else True
         readapt_lora(model, selection, fora, seed, autocast_adapter_dtype=autocast)
+        # The backward stops at the lowest adapted layer, also with checkpointing (Axolotl adds the embeddings hook
+        # TRL does). Its offloading checkpoints ("offload", "offload_disk") replace torch's checkpoint with
+        # reentrant autograd Functions, whatever gradient_checkpointing_kwargs say.
+        offloading = isinstance(cfg.gradient_checkpointing, str)
+        stop_backward_at_lowest_adapted_layer(trainer, reentrant=True if offloading else None)
 
         if trainer.is_world_process_zero():
             # The files follow when training ends (SaveSelectionCallback): a failed run leaves output_dir as it was.
