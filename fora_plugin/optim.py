@@ -386,10 +386,9 @@ def _cayley_adam_group_step(
     num_experts = group.get("num_experts", 1)  # a group saved before per-expert blocks existed has no key
     period = group["qr_period"]
     periodic = period > 0 and group["steps"] % period == 0
-    # Batches of matrices with one r, compute dtype, device and layout share one batched 2r x 2r algebra; within a
-    # batch, a bucket per whole-matrix shape (one (n, d, 2r) buffer). Keyed by what every rank sees alike, so the
-    # all-reduces of a sharded batch pair up across ranks even where the local row counts differ.
-    batches: dict[tuple, dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]]] = defaultdict(lambda: defaultdict(list))
+    # One bucket per whole-matrix shape, dtype, device and layout, stepped together. Keyed by what every rank sees
+    # alike, so the all-reduces of a sharded bucket pair up across ranks even where the local row counts differ.
+    buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
     stepped = []
     for p in group["params"]:
         grad = p.grad if grads is None else grads.get(p)
@@ -404,37 +403,39 @@ def _cayley_adam_group_step(
         if "reprojections" not in state[p]:  # a state saved before the counter existed
             state[p]["reprojections"] = torch.zeros_like(state[p]["skipped_steps"])
         layout = (id(p.device_mesh), tuple(p.placements)) if DTensor is not None and isinstance(p, DTensor) else None
-        batch = (p.shape[1], p.device, _compute_dtype(p), layout)
-        batches[batch][tuple(p.shape)].append((p, _local_gradient(p, grad)))
+        buckets[(tuple(p.shape), p.device, _compute_dtype(p), layout)].append((p, _local_gradient(p, grad)))
         stepped.append(p)
-    for buckets in batches.values():
-        members = list(buckets.values())
-        _cayley_adam_batch_step(optimizer, members, group, periodic, _reduce_groups(members[0][0][0]))
+    # A bucket at a time: the step's scratch (4·d·r per matrix) is alive for one shape only, so a step's peak is its
+    # largest bucket's, not the sum over all of them.
+    for bucket in buckets.values():
+        _cayley_adam_bucket_step(optimizer, bucket, group, periodic, _reduce_groups(bucket[0][0]))
     for p in stepped:
         written[p] = _signature(p)
 
 
-def _cayley_adam_batch_step(
+def _cayley_adam_bucket_step(
     optimizer: CayleyAdam,
-    buckets: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    bucket: list[tuple[torch.Tensor, torch.Tensor]],
     group: dict[str, Any],
     periodic: bool,
     reduce_groups: tuple,
 ) -> None:
-    """The step of every matrix in ``buckets`` (each a list of (parameter, local gradient) of one shape; all of
-    one r, compute dtype, device and layout). A sum over rows is all-reduced over ``reduce_groups`` (none for
-    plain tensors), once for the whole batch.
+    """The step of every matrix in ``bucket``: (parameter, local gradient) pairs of one shape, dtype, device and
+    layout. A sum over rows is all-reduced over ``reduce_groups`` (none for plain tensors), once.
 
-    Each bucket's [B, m] is copied into a scratch (n, d, 2r) buffer, stepped there by two batched products, and
+    [B, m] of the bucket is copied into a scratch (n, d, 2r) buffer, stepped there by two batched products, and
     copied back: parameters and moments keep their own storage (a parameter never aliases another one or the
     optimizer's state), at the price of five (d, r) copies per matrix, small beside the products (16·r flops per
     entry). A fused-MoE lora_B's E interleaved expert blocks are E matrices of the buffer.
     """
     state = optimizer.state
     num_experts = group.get("num_experts", 1)
-    first = _local(state[buckets[0][0][0]]["exp_avg"])
-    dtype, device = first.dtype, first.device
-    r = first.shape[1] // num_experts
+    params = [p for p, _ in bucket]
+    states = [state[p] for p in params]
+    points = [_local(s.get("master", p)) for p, s in zip(params, states)]  # (d_local, r·E), the compute dtype
+    moments = [_local(s["exp_avg"]) for s in states]
+    dtype, device = moments[0].dtype, moments[0].device
+    n, d, r = len(params) * num_experts, points[0].shape[0], points[0].shape[1] // num_experts
     sharded = bool(reduce_groups)
     constants = _Constants.cached(optimizer, r, dtype, device, group["betas"])
 
@@ -446,67 +447,44 @@ def _cayley_adam_batch_step(
     def expert_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return tensors if num_experts == 1 else [expert_blocks(t, num_experts) for t in tensors]
 
-    params, states, points, moments, buffers, norms = [], [], [], [], [], []
-    for bucket in buckets:
-        bucket_params = [p for p, _ in bucket]
-        bucket_states = [state[p] for p in bucket_params]
-        bucket_points = [_local(s.get("master", p)) for p, s in zip(bucket_params, bucket_states)]  # (d, r·E)
-        bucket_moments = [_local(s["exp_avg"]) for s in bucket_states]
-        n, d = len(bucket) * num_experts, bucket_points[0].shape[0]
-        P = torch.empty((n, d, 2 * r), dtype=dtype, device=device)  # [B, m]
-        Q = torch.empty_like(P)  # G, then [B_{t+1}, m_{t+1}]
-        # G in the first half of Q, a contiguous (n, d, r) tensor: the passes over G run several times faster on it
-        # than on a strided half (8x for the norm). The product that writes Q comes after the last read of G.
-        G = Q.view(-1)[: Q.numel() // 2].view(n, d, r)
-        torch._foreach_copy_(blocks(P[..., :r]), expert_views(bucket_points))
-        torch._foreach_copy_(blocks(P[..., r:]), expert_views(bucket_moments))
-        torch._foreach_copy_(blocks(G), expert_views([g for _, g in bucket]))  # in the compute dtype
-        norms.append(torch.linalg.vector_norm(G.view(n, -1), dim=-1))  # (n,) inf/nan iff some entry is
-        G.nan_to_num_(0.0, 0.0, 0.0)  # keeps the Gram matrices finite; a skipped matrix keeps m_t: m + 0·(G − m)
-        params += bucket_params
-        states += bucket_states
-        points.append(bucket_points)
-        moments.append(bucket_moments)
-        buffers.append((P, Q, G))
+    P = torch.empty((n, d, 2 * r), dtype=dtype, device=device)  # [B, m]
+    Q = torch.empty_like(P)  # G, then [B_{t+1}, m_{t+1}]
+    # G in the first half of Q, a contiguous (n, d, r) tensor: the passes over G run several times faster on it than
+    # on a strided half (8x for the norm). The product that writes Q comes after the last read of G.
+    G = Q.view(-1)[: Q.numel() // 2].view(n, d, r)
+    torch._foreach_copy_(blocks(P[..., :r]), expert_views(points))
+    torch._foreach_copy_(blocks(P[..., r:]), expert_views(moments))
+    torch._foreach_copy_(blocks(G), expert_views([g for _, g in bucket]))  # in the compute dtype
+    grad_sq = torch.linalg.vector_norm(G.view(n, -1), dim=-1).square()  # (n,) of the local rows: inf/nan if any is
+    G.nan_to_num_(0.0, 0.0, 0.0)  # keeps the Gram matrices finite; a skipped matrix keeps m_t: m + 0·(G − m)
 
-    counts_per_matrix = [P.shape[0] for P, _, _ in buffers]
-    N = sum(counts_per_matrix)
-    grad_sq = torch.cat(norms).square()  # (N,) of the local rows
-
-    def stacked(key: str) -> torch.Tensor:  # (N,)
-        return torch.stack([s[key] for s in states]).reshape(N)
+    def stacked(key: str) -> torch.Tensor:  # (n,)
+        return torch.stack([s[key] for s in states]).reshape(n)
 
     step, v = stacked("step"), stacked("exp_avg_sq")
-    counts = torch.stack((stacked("skipped_steps"), stacked("reprojections")))  # (2, N)
-    gram = torch.empty((N, 2 * r, 2 * r), dtype=dtype, device=device)
-    grams = gram.split(counts_per_matrix)
+    counts = torch.stack((stacked("skipped_steps"), stacked("reprojections")))  # (2, n)
     if sharded:
         # A skip (a non-finite ‖G‖² on any rank) is only known after the all-reduce: m_{t+1} is formed for every
         # matrix, and m_t kept for the skipped ones.
-        old_moments = [P[..., r:].clone() for P, _, _ in buffers]
-        for (P, _, G), out in zip(buffers, grams):
-            P[..., r:].lerp_(G, constants.lerp_weight)
-            torch.bmm(P.mT, P, out=out)  # of the local rows
-        sums = torch.cat((gram.reshape(N, -1), grad_sq[:, None]), dim=1)  # (N, 4r² + 1): one all-reduce
+        m_old = P[..., r:].clone()
+        P[..., r:].lerp_(G, constants.lerp_weight)
+        gram = P.mT @ P  # (n, 2r, 2r) of the local rows
+        sums = torch.cat((gram.reshape(n, -1), grad_sq[:, None]), dim=1)  # (n, 4r² + 1): one all-reduce
         _all_reduce(sums, reduce_groups)
-        gram, grad_sq = sums[:, :-1].reshape(N, 2 * r, 2 * r), sums[:, -1]
-        finite = grad_sq < math.inf  # (N,) the same on every rank
+        gram, grad_sq = sums[:, :-1].reshape(n, 2 * r, 2 * r), sums[:, -1]
+        finite = grad_sq < math.inf  # (n,) the same on every rank
     else:
         finite = grad_sq < math.inf  # False for inf and nan (one op, where isfinite takes four)
-        weight = torch.where(finite, constants.lerp_weight, constants.zero)[:, None, None]  # (N, 1, 1)
-        for (P, _, G), out, w in zip(buffers, grams, weight.split(counts_per_matrix)):
-            P[..., r:].lerp_(G, w)  # m_{t+1} = β1 m_t + (1 − β1) G
-            torch.bmm(P.mT, P, out=out)  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
-    T = constants.eye.repeat(N, 1, 1)
+        P[..., r:].lerp_(G, torch.where(finite, constants.lerp_weight, constants.zero)[:, None, None])  # m_{t+1}
+        gram = P.mT @ P  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
+    T = constants.eye.repeat(n, 1, 1)
     delta = _cayley_adam_deltas(gram, grad_sq, finite, step, v, counts, T, group, periodic, constants)
-    for index, ((P, Q, _), bucket_delta) in enumerate(zip(buffers, delta.split(counts_per_matrix))):
-        torch.baddbmm(P, P, bucket_delta, out=Q)  # [B_{t+1}, m_{t+1}] = [B_t, m] (I + Δ)
-        B_next, m_next = Q[..., :r], Q[..., r:]
-        if sharded:
-            skipped = ~finite.split(counts_per_matrix)[index][:, None, None]
-            m_next = torch.where(skipped, old_moments[index], m_next)
-        torch._foreach_copy_(expert_views(points[index]), blocks(B_next))
-        torch._foreach_copy_(expert_views(moments[index]), blocks(m_next))
+    torch.baddbmm(P, P, delta, out=Q)  # [B_{t+1}, m_{t+1}] = [B_t, m] (I + Δ)
+    B_next, m_next = Q[..., :r], Q[..., r:]
+    if sharded:
+        m_next = torch.where(finite[:, None, None], m_next, m_old)
+    torch._foreach_copy_(expert_views(points), blocks(B_next))
+    torch._foreach_copy_(expert_views(moments), blocks(m_next))
     low_precision = [(_local(p), _local(s["master"])) for p, s in zip(params, states) if "master" in s]
     if low_precision:
         torch._foreach_copy_([p for p, _ in low_precision], [m for _, m in low_precision])  # the master rounded
