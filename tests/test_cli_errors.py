@@ -755,6 +755,12 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
         r"quotes at line 1, column 35",
     ),
     (
+        "plan-deepspeed-malformed-json",
+        lambda c: ["plan", c.config(), "--deepspeed", c.file("ds.json", '{"zero_optimization": {"stage": 2,}}')],
+        r"deepspeed .*ds\.json is not valid JSON: Expecting property name enclosed in double quotes at line 1, "
+        r"column 35",
+    ),
+    (
         "scores-path-malformed",
         lambda c: ["train", c.config(fora_scores_path=c.file("s.json", '{"scores": [1, 2}'))],
         r"fora_scores_path .*s\.json is not valid JSON: .* at line 1",
