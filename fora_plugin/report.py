@@ -9,7 +9,6 @@ side by side.
 from __future__ import annotations
 
 import copy
-import json
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -24,7 +23,7 @@ from torch import nn
 from .diagnostics import delta_w_singular_values, effective_rank
 from .evaluation import eval_mode
 from .stiefel import orthogonality_error
-from .validation import check_adapter_folder, check_selection_matches_adapter
+from .validation import check_adapter_folder, check_selection_matches_adapter, read_json
 
 
 def load_adapter_pairs(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
@@ -122,7 +121,7 @@ def adapter_report(adapter_dir: str | Path) -> dict[str, Any]:
         "modules": modules,
         "by_type": summary,
         "mean_effective_rank": sum(m["effective_rank"] for m in modules) / len(modules) if modules else 0.0,
-        "fora_scores": json.loads(scores_file.read_text()) if scores_file.is_file() else None,
+        "fora_scores": read_json(scores_file) if scores_file.is_file() else None,
     }
 
 

@@ -35,6 +35,7 @@ from .fsdp import gathered_adapters
 from .plots import plot_fisher_scores
 from .selection import check_layer_indices, resolve_layer_budget, select_layers
 from .stiefel import orthogonality_error
+from .validation import read_json
 from .zero import Zero3FoRAOptimizer, find_zero_client, gathered_trainable_parameters
 
 
@@ -95,7 +96,7 @@ class FoRASelection:
             path = path / SCORES_FILE
         if not path.is_file():
             raise ValueError(f"No FoRA selection at {path}: expected the {SCORES_FILE} an earlier run wrote.")
-        return json.loads(path.read_text())
+        return read_json(path)  # names the file, line and column of a malformed one
 
 
 # ----------------------------------------------------------------------------------------------------- selection
