@@ -216,7 +216,7 @@ class CayleyAdam(Optimizer):
         super().load_state_dict(state_dict)
         _restore_fp32_state(self, state_dict)
         # The loaded masters meet parameters the step has not written: the next step reconciles each pair.
-        self.__dict__.pop("_fora_written", None)
+        _last_writes(self).clear()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -331,6 +331,11 @@ def _local_gradient(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+def _last_writes(optimizer: Optimizer) -> dict[torch.Tensor, tuple]:
+    """``p -> _signature(p)`` as the step last left each parameter (kept on the optimizer, out of its state_dict)."""
+    return optimizer.__dict__.setdefault("_fora_written", {})
+
+
 def _signature(p: torch.Tensor) -> tuple:
     """What the step last left in ``p``: its version counter (bumped by every in-place write), its storage, dtype
     and device. Host-side metadata only: reading it syncs nothing."""
@@ -381,7 +386,7 @@ def _cayley_adam_group_step(
     grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     state = optimizer.state
-    written = optimizer.__dict__.setdefault("_fora_written", {})  # p -> _signature(p) after the step wrote it
+    written = _last_writes(optimizer)
     group["steps"] += 1
     num_experts = group.get("num_experts", 1)  # a group saved before per-expert blocks existed has no key
     period = group["qr_period"]
@@ -647,7 +652,7 @@ class FoRAOptimizer(Optimizer):
         _restore_fp32_state(self, state_dict)
         self._sync_delegates()
         if True in self._delegates:
-            self._delegates[True].__dict__.pop("_fora_written", None)  # as CayleyAdam.load_state_dict
+            _last_writes(self._delegates[True]).clear()  # as CayleyAdam.load_state_dict
 
     def step(self, closure=None):
         loss = None
