@@ -61,7 +61,7 @@ import step_time  # noqa: E402  (bench/step_time.py: the rows of (a), and the tr
 from step_time import GIB, REPO, TARGETS, Setting  # noqa: E402
 
 
-SECTIONS = ("step_time", "host_syncs", "scoring", "optimizer", "cli_train", "qfora", "plan")
+SECTIONS = ("step_time", "host_syncs", "scoring", "optimizer", "cli_train", "qfora", "memory_peak", "plan")
 PACKAGES = (
     "torch",
     "transformers",
@@ -98,11 +98,17 @@ class Scale:
     sync_steps: int
     optimizer_sets: list  # bench/optimizer.py's (name, {d_out: count}, r, experts)
     optimizer_rounds: int
-    dense_step: bool  # bench/optimizer.py's d x d reference step (minutes on a CPU)
+    dense_step: int  # d of bench/optimizer.py's d x d reference step (0: none; 4096 takes minutes on a CPU)
+    profiled_set: tuple  # (name, {d_out: count}, r, experts): the lora_B set whose Cayley-Adam step is profiled
     cli_steps: int
     cli_hidden: int
     cli_batch: int
     cli_bf16: bool  # bf16 autocast is the GPU's; on a CPU it is emulated and slow
+
+
+# The lora_B of step_time's fora rows (LLaMA-3.2-3B: hidden 3072, 8 KV heads of 128, intermediate 8192; q and down
+# 3072, k and v 1024, up 8192) on 14 layers at r 32.
+LLAMA_3B_TOP_HALF = ("LLaMA-3.2-3B, 14 layers, r=32", {3072: 28, 1024: 28, 8192: 14}, 32, 1)
 
 
 def gpu_scale() -> Scale:
@@ -116,9 +122,10 @@ def gpu_scale() -> Scale:
         profile_steps=3,
         profile_modes=step_time.MODES,
         sync_steps=10,
-        optimizer_sets=optimizer_bench.SETS,
+        optimizer_sets=[*optimizer_bench.SETS, LLAMA_3B_TOP_HALF],
         optimizer_rounds=10,
-        dense_step=True,
+        dense_step=4096,
+        profiled_set=LLAMA_3B_TOP_HALF,
         cli_steps=40,
         cli_hidden=256,
         cli_batch=8,
@@ -137,7 +144,8 @@ def tiny_scale() -> Scale:
         sync_steps=10,
         optimizer_sets=[("tiny lora_B set, r=8", {256: 4, 64: 4}, 8, 1), ("tiny experts, r=4", {64: 2}, 4, 4)],
         optimizer_rounds=2,
-        dense_step=False,
+        dense_step=256,
+        profiled_set=("tiny lora_B set, r=8", {256: 4, 64: 4}, 8, 1),
         cli_steps=8,
         cli_hidden=64,
         cli_batch=4,
@@ -324,7 +332,7 @@ def plan_configs(ctx: Run) -> dict[str, dict[str, Any]]:
         # Without fora_layers the plan scores and places the K layers every (L/K)-th from 0: "every 2nd".
         configs[f"ckpt {on}, scoring + every 2nd"] = {**base, "activation_checkpointing": ckpt}
         configs[f"ckpt {on}, top half"] = {**base, "activation_checkpointing": ckpt, "fora_layers": top}
-    if ctx.device.type == "cuda":
+    if ctx.gpu_measured:
         configs["qfora, ckpt on"] = {**base, **QFORA_KEYS, "activation_checkpointing": True}
     return configs
 
@@ -345,7 +353,8 @@ def start_plans(ctx: Run) -> None:
         paths[name] = str(folder / "config.yaml")
         Path(paths[name]).write_text(yaml.safe_dump(config))
     spec = ctx.tmp / "plans.json"
-    gpu_memory = torch.cuda.get_device_properties(ctx.device).total_memory / GIB if ctx.device.type == "cuda" else None
+    gpu_memory = ctx.environment.get("gpu_memory_bytes") if ctx.gpu_measured else None
+    gpu_memory = gpu_memory / GIB if gpu_memory else None
     spec.write_text(json.dumps({"configs": paths, "gpu_memory": gpu_memory}))
     ctx.plan_result = ctx.tmp / "plans_out.json"
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -402,7 +411,7 @@ def section_plan(ctx: Run) -> dict[str, Any]:
     if not plans:
         output = ctx.plan_log.read_text()
         raise RuntimeError(f"fora plan wrote nothing; its output ended with:\n{output[-3000:]}")
-    gpu = ctx.device.type == "cuda"
+    gpu = ctx.gpu_measured
     measured_key = "max_memory_allocated" if gpu else "live_peak_bytes"
     comparisons = []
 
@@ -443,6 +452,13 @@ def section_plan(ctx: Run) -> dict[str, Any]:
     failed = {name: p["error"] for name, p in plans.items() if "error" in p}
     for name, error in failed.items():
         lines.append(f"\nplan {name!r} failed:\n```\n{error}\n```")
+    if ctx.measured_from is not None:
+        env = ctx.environment
+        lines.insert(
+            0,
+            f"Planned here ({platform.node()}, {datetime.date.today()}), measured on the {env.get('gpu')} "
+            f"({env.get('date_utc')}, {ctx.measured_from.name}).\n",
+        )
     for name, p in plans.items():
         if "text" in p:
             lines += ["", f"`fora plan` ({name}, {p['seconds']:.0f} s):", "```", p["text"], "```"]
@@ -529,6 +545,18 @@ def cuda_sync_warnings(device: torch.device):
             torch.cuda.set_sync_debug_mode("default")
 
 
+def sync_warnings(caught: list[warnings.WarningMessage] | None) -> list[str] | None:
+    """Where each synchronizing CUDA call that warned was made (None off CUDA)."""
+    if caught is None:
+        return None
+    # Only the calls that synchronized: enabling the mode itself warns that it is a prototype.
+    return [
+        f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}"
+        for w in caught
+        if "called a synchronizing" in str(w.message)
+    ]
+
+
 def section_host_syncs(ctx: Run) -> dict[str, Any]:
     from step_time import build_trainer, placements, release
 
@@ -554,14 +582,12 @@ def section_host_syncs(ctx: Run) -> dict[str, Any]:
                 optimizer.step()
         result["counter"] = counter.count
         result["counter_report"] = counter.report()
-        result["cuda_warn"] = None if caught is None else len([w for w in caught if "synchroniz" in str(w.message)])
+        result["cuda_warn"] = sync_warnings(caught)
         logs = FoRALogs(trainer.fora_selection)
         with HostSyncCounter() as log_counter, cuda_sync_warnings(ctx.device) as log_caught:
             values = logs(trainer.model, optimizer)
         result["log_counter"] = log_counter.count
-        result["log_cuda_warn"] = (
-            None if log_caught is None else len([w for w in log_caught if "synchroniz" in str(w.message)])
-        )
+        result["log_cuda_warn"] = sync_warnings(log_caught)
         result["log_values"] = values
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
@@ -580,8 +606,8 @@ def section_host_syncs(ctx: Run) -> dict[str, Any]:
             result["error_mode"] = "skipped: needs CUDA (torch.cuda.set_sync_debug_mode)"
         del trainer, optimizer
     release(ctx.device)
-    cuda = "skipped: needs CUDA" if result["cuda_warn"] is None else result["cuda_warn"]
-    log_cuda = "skipped: needs CUDA" if result["log_cuda_warn"] is None else result["log_cuda_warn"]
+    cuda = "skipped: needs CUDA" if result["cuda_warn"] is None else len(result["cuda_warn"])
+    log_cuda = "skipped: needs CUDA" if result["log_cuda_warn"] is None else len(result["log_cuda_warn"])
     result["text"] = "\n".join(
         [
             "| what | host syncs (fora_plugin.host_sync counter) | CUDA sync debug mode 'warn' | goal |",
@@ -591,6 +617,7 @@ def section_host_syncs(ctx: Run) -> dict[str, Any]:
             f"| one FoRALogs log | {result['log_counter']} | {log_cuda} | ≤ 1 |",
             "",
             f"set_sync_debug_mode('error') around {steps} more steps: {result['error_mode']}",
+            *[f"- warned: {w}" for w in (result["cuda_warn"] or []) + (result["log_cuda_warn"] or [])],
         ]
     )
     return result
@@ -606,16 +633,22 @@ def section_optimizer(ctx: Run) -> dict[str, Any]:
         for name, d_outs, r, experts in ctx.scale.optimizer_sets:
             optimizer_bench.bench_set(name, d_outs, r, experts, ctx.scale.optimizer_rounds)
         if ctx.scale.dense_step:
-            optimizer_bench.bench_dense(32, ctx.scale.optimizer_rounds)
+            optimizer_bench.bench_dense(32, ctx.scale.optimizer_rounds, d=ctx.scale.dense_step)
     text = buffer.getvalue()
+    profiled, d_outs, r, experts = ctx.scale.profiled_set
+    profile = optimizer_bench.profile_step(d_outs, r, experts)
     sets: dict[str, dict[str, dict[str, float]]] = {}
-    current = None
+    current, in_rows = None, False
     for line in text.splitlines():
         if line.startswith("### "):
-            current = sets.setdefault(line[4:].split(":")[0], {})
-        elif current is not None and line.startswith("| ") and not line.startswith("| step"):
+            current, in_rows = sets.setdefault(line[4:].split(":")[0], {}), False
+        elif line.startswith("| step |"):  # the header of a set's table (the d x d table has another)
+            in_rows = current is not None
+        elif in_rows and line.startswith("| "):
             cells = [c.strip() for c in line.strip("|").split("|")]
             current[cells[0]] = {"thread_cpu_ms": float(cells[1]), "wall_ms": float(cells[2])}
+        elif not line.startswith("|"):
+            in_rows = False
     column = "wall_ms" if ctx.device.type == "cuda" else "thread_cpu_ms"
     verdicts = {
         name: {
@@ -629,10 +662,24 @@ def section_optimizer(ctx: Run) -> dict[str, Any]:
     lines.append("|---|---:|---:|")
     for name, v in verdicts.items():
         lines.append(f"| {name} | {v['cayley_over_foreach_adamw']:.2f} | {v['cayley_over_fused_adamw']:.2f} |")
-    return {"sets": sets, "ratios": verdicts, "text": "\n".join(lines)}
+    lines += ["", f"Top ops of 3 Cayley-Adam steps, {profiled}:", "```", profile, "```"]
+    return {"sets": sets, "ratios": verdicts, "profile": profile, "text": "\n".join(lines)}
 
 
 # --------------------------------------------------------------------------------------------------- (f) QFoRA
+def qfora_model(ctx: Run) -> dict[str, Any]:
+    """build_trainer's arguments that load (f)'s saved bf16 base as NF4 (nested absmax, bf16 compute)."""
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    return {"model": str(ctx.tmp / "qfora_base"), "quantization_config": quantization}
+
+
 def section_qfora(ctx: Run) -> dict[str, Any]:
     needs_cuda(ctx.device, "bitsandbytes NF4 on the GPU")
     try:
@@ -640,7 +687,6 @@ def section_qfora(ctx: Run) -> dict[str, Any]:
     except ImportError as error:
         raise Skipped(f"skipped: bitsandbytes is not installed ({error})") from None
     from step_time import build_model, build_trainer, release, time_steps
-    from transformers import BitsAndBytesConfig
 
     s = ctx.scale.setting
     folder = ctx.tmp / "qfora_base"
@@ -650,12 +696,6 @@ def section_qfora(ctx: Run) -> dict[str, Any]:
     del model
     release(ctx.device)
     saved_seconds = time.perf_counter() - started
-    quantization = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-    )
     warmup, timed = 2, 8  # 10 training steps
     with tempfile.TemporaryDirectory() as tmp:
         torch.cuda.reset_peak_memory_stats()
@@ -668,8 +708,7 @@ def section_qfora(ctx: Run) -> dict[str, Any]:
             checkpointing=True,
             max_steps=warmup + timed,
             fisher_batches=ctx.scale.fisher_batches,
-            model=str(folder),
-            quantization_config=quantization,
+            **qfora_model(ctx),
         )
         scores = trainer.fora_selection.scores
         import bitsandbytes as bnb
@@ -833,6 +872,116 @@ def section_cli_train(ctx: Run) -> dict[str, Any]:
     return result
 
 
+# ------------------------------------------------------------------------------------------ (h) memory at the peak
+def allocation_site(frames: list[dict[str, Any]]) -> str:
+    """The innermost Python frame of an allocation outside torch itself, as ``package/module.py:line function``."""
+    for frame in frames:
+        filename = frame.get("filename", "")
+        if "/torch/" in filename or filename.startswith("<"):
+            continue
+        for root in ("site-packages/", "dist-packages/", f"{REPO.name}/"):
+            if root in filename:
+                filename = filename.rsplit(root, 1)[1]
+                break
+        return f"{filename}:{frame.get('line')} {frame.get('name')}"
+    return "(no Python frame: the autograd engine's backward)"
+
+
+def peak_sites(trace: list[dict[str, Any]], rows: int = 12) -> dict[str, Any]:
+    """Replays the CUDA caching allocator's trace (``torch.cuda.memory._snapshot()["device_traces"][device]``):
+    the peak of the bytes it allocated, and at that peak the bytes per :func:`allocation_site` and the largest
+    blocks. Bytes allocated before the trace began are not in it."""
+    live: dict[int, tuple[int, str]] = {}  # address -> (bytes, site)
+    current = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    pending = False  # a new peak was reached; its live set is copied at the next free (not at every allocation)
+    for event in trace:
+        action = event.get("action")
+        if action == "alloc":
+            live[event["addr"]] = (event["size"], allocation_site(event.get("frames") or []))
+            current += event["size"]
+            if current > peak:
+                peak, pending = current, True
+        elif action == "free_completed" and event["addr"] in live:
+            if pending:
+                at_peak, pending = dict(live), False
+            current -= live.pop(event["addr"])[0]
+    if pending:
+        at_peak = dict(live)
+    sites: dict[str, int] = {}
+    for nbytes, site in at_peak.values():
+        sites[site] = sites.get(site, 0) + nbytes
+    largest = sorted(at_peak.values(), key=lambda entry: -entry[0])[:rows]
+    return {
+        "peak_bytes": peak,
+        "sites": sorted(sites.items(), key=lambda item: -item[1])[:rows],
+        "largest": [{"bytes": nbytes, "site": site} for nbytes, site in largest],
+    }
+
+
+def section_memory_peak(ctx: Run) -> dict[str, Any]:
+    """What is allocated at the peak of two training steps, from the allocator's own history: fora on the top half
+    with checkpointing on and off, and QFoRA where (f) saved its base. The evidence that a plan which disagrees with
+    max_memory_allocated is checked against."""
+    needs_cuda(ctx.device, "the CUDA caching allocator's history")
+    from step_time import build_trainer, placements, release
+
+    s = ctx.scale.setting
+    top = placements(s.model_config().num_hidden_layers)["top half"]
+    cases = [
+        (f"fora, top half, checkpointing {'on' if c else 'off'}", {"layers": top, "checkpointing": c})
+        for c in (True, False)
+    ]
+    if (ctx.tmp / "qfora_base").exists():
+        cases.append(
+            (
+                "QFoRA (NF4), Fisher-chosen layers, checkpointing on",
+                {"layers": None, "checkpointing": True, **qfora_model(ctx)},
+            )
+        )
+    runs, text = [], []
+    for name, kwargs in cases:
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = build_trainer(
+                s, ctx.device, tmp, mode="fora", max_steps=2, fisher_batches=ctx.scale.fisher_batches, **kwargs
+            )
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+            try:
+                trainer.train()
+                torch.cuda.synchronize()
+                snapshot = torch.cuda.memory._snapshot()
+            finally:
+                torch.cuda.memory._record_memory_history(enabled=None)
+            found = peak_sites(snapshot["device_traces"][torch.cuda.current_device()])
+            run = {
+                "case": name,
+                "allocated_before_bytes": before,
+                "max_memory_allocated": torch.cuda.max_memory_allocated(),
+                **found,
+            }
+            runs.append(run)
+            del trainer, snapshot
+        release(ctx.device)
+        text += [
+            f"{name}, 2 steps: {gib(before)} GiB allocated before training (weights, LoRA), the trace's peak "
+            f"{gib(found['peak_bytes'])} GiB above it: {gib(before + found['peak_bytes'])} GiB in all "
+            f"(max_memory_allocated {gib(run['max_memory_allocated'])} GiB).",
+            "",
+            "| at the peak: site | GiB |",
+            "|---|---:|",
+            *[f"| `{site}` | {nbytes / GIB:.3f} |" for site, nbytes in found["sites"]],
+            "",
+            "| largest blocks at the peak: GiB | site |",
+            "|---:|---|",
+            *[f"| {b['bytes'] / GIB:.3f} | `{b['site']}` |" for b in found["largest"]],
+            "",
+        ]
+    return {"runs": runs, "text": "\n".join(text).rstrip()}
+
+
 # ---------------------------------------------------------------------------------------------------------- run
 class Run:
     """One bench run: the device, the scale, the results so far (written after every section), the clock."""
@@ -851,6 +1000,29 @@ class Run:
         self._tmp = tempfile.TemporaryDirectory()
         self.tmp = Path(self._tmp.name)
         self.markdown: list[str] = []
+        self.measured_from: Path | None = None  # --measured: the GPU run whose peaks the plan is compared with
+
+    @property
+    def gpu_measured(self) -> bool:
+        """Whether the measured side of (b) is a GPU's max_memory_allocated (this run's, or --measured's)."""
+        return self.device.type == "cuda" or self.measured_from is not None
+
+    def use_measured(self, path: Path) -> None:
+        """Take (a), (c) and (f)'s measurements and the environment from an earlier GPU run's gpu.json, so that
+        (b) re-plans on any machine against what the GPU measured."""
+        data = json.loads(path.read_text())
+        sections = data["sections"]
+        if data["environment"].get("device") != "cuda" or sections.get("step_time", {}).get("status") != "ok":
+            raise SystemExit(
+                f"--measured {path}: not a GPU run with its step_time section (device "
+                f"{data['environment'].get('device')!r}); give the gpu.json of a --device cuda run"
+            )
+        self.measured_from = path
+        self.environment = data["environment"]
+        self.rows = sections["step_time"]["rows"]
+        for name in ("scoring", "qfora"):
+            if name in sections:
+                self.results[name] = sections[name]
 
     def remaining(self) -> float:
         return self.budget_s - (time.perf_counter() - self.started)
@@ -897,6 +1069,7 @@ SECTION_FUNCTIONS = {
     "optimizer": section_optimizer,
     "cli_train": section_cli_train,
     "qfora": section_qfora,
+    "memory_peak": section_memory_peak,
     "plan": section_plan,
 }
 
@@ -913,6 +1086,11 @@ def main() -> int:
         help="seconds; sections not started by then are skipped (default: 420 on a GPU, 600 on the CPU)",
     )
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 with --tiny, else torch's)")
+    parser.add_argument(
+        "--measured",
+        type=Path,
+        help="an earlier GPU run's gpu.json: re-plan (b) here against its measurements (with --only plan)",
+    )
     parser.add_argument("--_plans", help=argparse.SUPPRESS)  # the child process of (b)
     parser.add_argument("--_plans-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -931,8 +1109,16 @@ def main() -> int:
     budget = args.budget if args.budget is not None else 420.0 if device.type == "cuda" else 600.0
     ctx = Run(device, scale, out, budget)
     sections = [s for s in SECTIONS if args.only is None or s in args.only]
+    if args.measured is not None and (sections != ["plan"] or args.tiny):
+        parser.error(
+            f"--measured re-plans only (at the GPU's shapes): add --only plan, without --tiny (got "
+            f"--only {' '.join(sections)}{' --tiny' if args.tiny else ''})"
+        )
     try:
-        ctx.environment = environment(device)
+        if args.measured is not None:
+            ctx.use_measured(args.measured)
+        else:
+            ctx.environment = environment(device)
         print(f"## environment\n\n```\n{json.dumps(ctx.environment, indent=2)}\n```\n", flush=True)
         if "plan" in sections:
             start_plans(ctx)

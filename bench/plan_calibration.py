@@ -14,6 +14,7 @@ Acceptance: every simulated peak within 10% of the measured one.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import tempfile
 import time
@@ -72,7 +73,7 @@ def measured(setup) -> dict[str, int]:
 
     from fora_plugin.fisher import fisher_scores
     from fora_plugin.memory import LiveTensorTracker
-    from fora_plugin.plan import _plan_selection, _trainer_view
+    from fora_plugin.plan import _plan_selection, _trainer_view, add_sft_loss_head, sft_training_loss
     from fora_plugin.trainer import checkpoint_as_in_training, fora_optimizer
     from fora_plugin.wiring import readapt_lora
 
@@ -81,6 +82,7 @@ def measured(setup) -> dict[str, int]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.config.use_cache = False
     model = get_peft_model(model, setup.lora)
+    add_sft_loss_head(model)  # SFTTrainer's loss: TRL's fused LM head, with its torch fallback on this CPU
     checkpoint_as_in_training(_trainer_view(setup, model))
     if setup.checkpointing:
         model.enable_input_require_grads()
@@ -91,7 +93,7 @@ def measured(setup) -> dict[str, int]:
     tracker = LiveTensorTracker()
     _register(tracker, model)
     with tracker:
-        fisher_scores(model, [batch], 1, loss_fn=lambda m, b: m(**b).loss, progress=False)
+        fisher_scores(model, [batch], 1, loss_fn=sft_training_loss, progress=False)
     scoring = tracker.peak
 
     selection = _plan_selection(setup, model.get_base_model())
@@ -104,7 +106,7 @@ def measured(setup) -> dict[str, int]:
         for step in range(2):
             if step == 1:
                 tracker.reset_peak()
-            loss = model(**batch).loss
+            loss = sft_training_loss(model, batch)
             loss.backward()
             del loss
             optimizer.step()
@@ -121,7 +123,10 @@ def main() -> int:
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for checkpointing in (False, True):
+            # The real run is on this CPU, where TRL's fused LM head folds with torch ops: planned the same way
+            # (a plan's default is the GPU's Triton folds; bench/gpu.py checks that case against an H100).
             setup = plan_setup(_config(Path(tmp), model_path, checkpointing), [])
+            setup = dataclasses.replace(setup, loss_head_device="cpu")
             started = time.perf_counter()
             result = run_plan(setup, modes=("fora",))
             plan_seconds = time.perf_counter() - started

@@ -68,10 +68,10 @@ def simulated_peak(setup, mode: str, mesh) -> int:
                 init_sharded_stiefel_state(model, optimizer)
         tracker = FSDPMemTracker(model, optimizer)
         tracker.track_inputs((plan._batch(setup, device),))
-        with tracker:
+        with tracker, plan._fused_lm_head_as_on_cuda():  # the loss as the plan forms it (SFTTrainer's, on a GPU)
             for step in range(2):
                 with plan._autocast(setup, device):
-                    loss = model(**plan._batch(setup, device)).loss
+                    loss = plan.sft_training_loss(model, plan._batch(setup, device))
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()

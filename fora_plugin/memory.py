@@ -40,8 +40,9 @@ def _grouped_mm_flops(mat_a: torch.Tensor, mat_b: torch.Tensor, *args, out_val: 
 
 def flop_formulas() -> dict:
     """``FlopCounterMode``'s formulas, plus the ops it has none for that FoRA's runs make: the grouped matmul of
-    MoE experts (``torch._grouped_mm``), and SDPA's CPU kernels (fake tensors on the CPU take them; on a GPU the
-    same attention is a flash/efficient kernel that ``FlopCounterMode`` counts, with the same formula)."""
+    MoE experts (``torch._grouped_mm``), SDPA's CPU kernels (fake tensors on the CPU take them; on a GPU the
+    same attention is a flash/efficient kernel that ``FlopCounterMode`` counts, with the same formula), and the
+    in-place ``addmm_`` (TRL's fused LM head accumulates its gradient products with it off CUDA)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     aten = torch.ops.aten
@@ -51,6 +52,7 @@ def flop_formulas() -> dict:
     formulas[aten._scaled_dot_product_flash_attention_for_cpu_backward] = formulas[
         aten._scaled_dot_product_flash_attention_backward
     ]
+    formulas[aten.addmm_] = formulas[aten.addmm]
     return formulas
 
 
@@ -110,6 +112,11 @@ class LiveTensorTracker(TorchDispatchMode):
         if self._flop_formulas is not None:
             formula = self._flop_formulas.get(func._overloadpacket)
             if formula is not None:
+                if func._overloadname in ("dtype", "dtype_out"):
+                    # mm/addmm/bmm with an out_dtype: the FLOPs of the product without one, whose formula takes no
+                    # dtype (positional in these overloads' schemas).
+                    args = tuple(a for a in args if not isinstance(a, torch.dtype))
+                    kwargs = {k: v for k, v in kwargs.items() if k != "out_dtype"}
                 self.flops += formula(*args, **kwargs, out_val=out)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):

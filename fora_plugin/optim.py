@@ -430,8 +430,9 @@ def _cayley_adam_bucket_step(
 
     [B, m] of the bucket is copied into a scratch (n, d, 2r) buffer, stepped there by two batched products, and
     copied back: parameters and moments keep their own storage (a parameter never aliases another one or the
-    optimizer's state), at the price of five (d, r) copies per matrix, small beside the products (16·r flops per
-    entry). A fused-MoE lora_B's E interleaved expert blocks are E matrices of the buffer.
+    optimizer's state), at the price of five passes over the bucket's matrices (G, B and m in; B and m out), each a
+    few kernels whatever the number of matrices, small beside the products (16·r flops per entry). A fused-MoE
+    lora_B's E interleaved expert blocks are E matrices of the buffer.
     """
     state = optimizer.state
     num_experts = group.get("num_experts", 1)
@@ -444,22 +445,15 @@ def _cayley_adam_bucket_step(
     sharded = bool(reduce_groups)
     constants = _Constants.cached(optimizer, r, dtype, device, group["betas"])
 
-    def blocks(stack: torch.Tensor) -> list[torch.Tensor]:
-        # (d, r) matrices for E = 1, where torch._foreach_copy_ takes its fast path (2x faster on CPU); (E, d, r)
-        # blocks of one parameter otherwise.
-        return list(stack.unbind(0) if num_experts == 1 else stack.split(num_experts))
-
-    def expert_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return tensors if num_experts == 1 else [expert_blocks(t, num_experts) for t in tensors]
-
     P = torch.empty((n, d, 2 * r), dtype=dtype, device=device)  # [B, m]
     Q = torch.empty_like(P)  # G, then [B_{t+1}, m_{t+1}]
     # G in the first half of Q, a contiguous (n, d, r) tensor: the passes over G run several times faster on it than
     # on a strided half (8x for the norm). The product that writes Q comes after the last read of G.
-    G = Q.view(-1)[: Q.numel() // 2].view(n, d, r)
-    torch._foreach_copy_(blocks(P[..., :r]), expert_views(points))
-    torch._foreach_copy_(blocks(P[..., r:]), expert_views(moments))
-    torch._foreach_copy_(blocks(G), expert_views([g for _, g in bucket]))  # in the compute dtype
+    half = Q.numel() // 2
+    G = Q.view(-1)[:half].view(n, d, r)
+    _gather(G, [g for _, g in bucket], Q.view(-1)[half:], num_experts)  # in the compute dtype
+    _gather(P[..., :r], points, Q.view(-1)[half:], num_experts)  # Q's second half is free until the product
+    _gather(P[..., r:], moments, Q.view(-1)[half:], num_experts)
     grad_sq = torch.linalg.vector_norm(G.view(n, -1), dim=-1).square()  # (n,) of the local rows: inf/nan if any is
     G.nan_to_num_(0.0, 0.0, 0.0)  # keeps the Gram matrices finite; a skipped matrix keeps m_t: m + 0·(G − m)
 
@@ -488,8 +482,8 @@ def _cayley_adam_bucket_step(
     B_next, m_next = Q[..., :r], Q[..., r:]
     if sharded:
         m_next = torch.where(finite[:, None, None], m_next, m_old)
-    torch._foreach_copy_(expert_views(points), blocks(B_next))
-    torch._foreach_copy_(expert_views(moments), blocks(m_next))
+    _scatter(points, B_next, P.view(-1)[: P.numel() // 2], num_experts)  # P is free once the product has read it
+    _scatter(moments, m_next, P.view(-1)[: P.numel() // 2], num_experts)
     low_precision = [(_local(p), _local(s["master"])) for p, s in zip(params, states) if "master" in s]
     if low_precision:
         torch._foreach_copy_([p for p, _ in low_precision], [m for _, m in low_precision])  # the master rounded
@@ -497,6 +491,53 @@ def _cayley_adam_bucket_step(
     values = {"exp_avg_sq": v, "step": step, "skipped_steps": counts[0], "reprojections": counts[1]}
     for key, value in values.items():
         torch._foreach_copy_([s[key] for s in states], list(value.view(len(params), *scalar_shape).unbind(0)))
+
+
+# Copies between the parameters (and their moments) and the bucket's (n, d, r) blocks. A block of [B, m] is strided,
+# and torch._foreach_copy_ takes its multi-tensor fast path only between dense tensors of equal strides; elsewhere it
+# copies tensor by tensor. On an accelerator each of those copies is a kernel launch (5 per matrix a step: hundreds
+# in a step that issue 26 measured launch-bound on an H100), so there each list goes through a dense (count, d, r·E)
+# stage: one multi-tensor copy, and one strided copy of the whole bucket. On the CPU a copy is a loop iteration and
+# the stage's extra pass over the bucket costs more than it saves (10-15% of the step, bench/optimizer.py).
+def _copies_through_stage(device: torch.device) -> bool:
+    return device.type != "cpu"
+
+
+def _staged(stage: torch.Tensor, tensors: list[torch.Tensor], num_experts: int) -> tuple[list, torch.Tensor]:
+    """The first words of the 1-D ``stage`` as dense (d, r·E) slots, one per tensor, and as their expert blocks
+    (count, E, d, r) in :func:`~fora_plugin.adapter.expert_blocks`' column order (e, e + E, ...)."""
+    d, width = tensors[0].shape
+    flat = stage[: len(tensors) * d * width].view(len(tensors), d, width)
+    return list(flat.unbind(0)), flat.view(len(tensors), d, width // num_experts, num_experts).permute(0, 3, 1, 2)
+
+
+def _per_matrix(blocks: torch.Tensor, tensors: list[torch.Tensor], num_experts: int) -> tuple[list, list]:
+    """``blocks`` (n, d, r) as one entry per tensor, and each (d, r·E) tensor as its blocks: pairs to copy."""
+    if num_experts == 1:
+        return list(blocks.unbind(0)), tensors
+    return list(blocks.split(num_experts)), [expert_blocks(t, num_experts) for t in tensors]
+
+
+def _gather(blocks: torch.Tensor, tensors: list[torch.Tensor], stage: torch.Tensor, num_experts: int) -> None:
+    """``blocks`` (n, d, r), n = len(tensors)·E, takes the E expert blocks of each (d, r·E) tensor: directly where
+    ``blocks`` is dense and E = 1 or on the CPU, else through ``stage`` (1-D, at least n·d·r words)."""
+    if (num_experts == 1 and blocks.is_contiguous()) or not _copies_through_stage(blocks.device):
+        torch._foreach_copy_(*_per_matrix(blocks, tensors, num_experts))
+        return
+    slots, staged = _staged(stage, tensors, num_experts)
+    torch._foreach_copy_(slots, tensors)
+    blocks.unflatten(0, staged.shape[:2]).copy_(staged)
+
+
+def _scatter(tensors: list[torch.Tensor], blocks: torch.Tensor, stage: torch.Tensor, num_experts: int) -> None:
+    """The inverse of :func:`_gather`: each (d, r·E) tensor takes its E blocks of ``blocks`` (n, d, r)."""
+    if (num_experts == 1 and blocks.is_contiguous()) or not _copies_through_stage(blocks.device):
+        destinations, sources = _per_matrix(blocks, tensors, num_experts)
+        torch._foreach_copy_(sources, destinations)
+        return
+    slots, staged = _staged(stage, tensors, num_experts)
+    staged.copy_(blocks.unflatten(0, staged.shape[:2]))
+    torch._foreach_copy_(tensors, slots)
 
 
 class _Constants:

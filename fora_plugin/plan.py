@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -114,6 +116,9 @@ class FourBit:
         return math.ceil(numel / 2) + absmax + 4 * 16  # + the 16-value NF4 code
 
 
+LOSS_HEAD_DEVICES = ("cuda", "cpu")
+
+
 @dataclasses.dataclass
 class PlanSetup:
     """What a plan needs from a `fora train` config: model, shapes, precision, LoRA, FoRA and the engine."""
@@ -135,6 +140,16 @@ class PlanSetup:
     gpus: int
     output_dir: Path
     notes: list[str] = dataclasses.field(default_factory=list)
+    # Where the loss head's kernels are planned to run: "cuda" (the GPU a plan is for: TRL's Triton folds) or "cpu"
+    # (TRL's torch fallback, which copies each logits tile to fp32: a plan to check against a CPU run).
+    loss_head_device: str = "cuda"
+
+    def __post_init__(self) -> None:
+        if self.loss_head_device not in LOSS_HEAD_DEVICES:
+            raise ValueError(
+                f"loss_head_device={self.loss_head_device!r}: use one of {LOSS_HEAD_DEVICES} (where TRL's fused LM "
+                "head runs: 'cuda' for the GPU a plan is for, 'cpu' to compare with a run on this host)."
+            )
 
 
 def find_model_config(model_ref: str, explicit: str | None = None) -> Path:
@@ -352,7 +367,36 @@ def _wrap_lora(setup: PlanSetup, base: nn.Module):
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
+    add_sft_loss_head(model)
     return model
+
+
+def _sft_fused_lm_head() -> tuple[Any, tuple[str, ...]]:
+    """TRL's ``add_fused_lm_head`` and the outputs SFTTrainer asks of it, where the installed SFTTrainer computes its
+    loss through it (TRL 1.16: chunked log-probabilities, never the (batch, seq, vocab) logits); else (None, ())."""
+    try:
+        from trl.trainer import sft_trainer
+    except ImportError:
+        return None, ()
+    add = getattr(sft_trainer, "add_fused_lm_head", None)
+    return add, ("log_probs", "entropy", "is_top1") if add is not None else ()
+
+
+_ADD_FUSED_LM_HEAD, _FUSED_LM_HEAD_OUTPUTS = _sft_fused_lm_head()
+
+
+def add_sft_loss_head(model: nn.Module) -> None:
+    """Give a PEFT ``model`` the loss head SFTTrainer gives it: TRL's fused LM head on its base model, where the
+    installed TRL has one (nothing otherwise: the model's own loss is SFTTrainer's then)."""
+    if _ADD_FUSED_LM_HEAD is not None:
+        _ADD_FUSED_LM_HEAD(model.get_base_model(), outputs=_FUSED_LM_HEAD_OUTPUTS)
+
+
+def sft_training_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loss of ``batch`` as SFTTrainer.compute_loss forms it, on a model given :func:`add_sft_loss_head`."""
+    if _ADD_FUSED_LM_HEAD is None:
+        return model(**batch).loss
+    return model(**batch, fused_lm_head=True).loss
 
 
 def planned_layers(setup: PlanSetup, num_layers: int) -> list[int]:
@@ -592,6 +636,14 @@ def _tracked(setup: PlanSetup, model: nn.Module):
     return tracker, kinds
 
 
+def _live_after_collection(tracker) -> dict[int, int]:
+    """What is live once the garbage collector has run: a forward's temporaries caught in a reference cycle (TRL's
+    fused LM head makes some) are freed when it runs, which depends on how many objects the model made, not on what
+    the backward needs; left to chance, they would count as activations at some depths and not at others."""
+    gc.collect()
+    return tracker.live()
+
+
 def _peak(tracker, kinds: _Kinds, live: dict[int, int]) -> dict[str, int]:
     return {k: v for k, v in tracker.breakdown(live, kinds.of).items() if v}
 
@@ -606,8 +658,8 @@ def _scoring_phase(setup: PlanSetup, fake_mode, device: torch.device) -> Phase:
         tracker, kinds = _tracked(setup, model)
 
         def loss_fn(m, b):
-            loss = m(**b).loss
-            kinds.mark(tracker.live(), "activations")  # what the forward leaves for the backward
+            loss = sft_training_loss(m, b)
+            kinds.mark(_live_after_collection(tracker), "activations")  # what the forward leaves for the backward
             return loss
 
         with tracker, _dequantized_during_matmul(linears, setup.autocast_dtype or setup.dtype):
@@ -650,9 +702,11 @@ def _step_phases(
     """One training step for each of ``modes``, which share their LoRA layers (fora and fg-lora: the ``planned``
     layers; lora: all): one forward and backward, then each mode's optimizer step with its states.
 
-    Each mode gets two candidates for its steady peak (the larger is the step's): from the second step on the states
-    live through the forward and backward, so the forward/backward peak plus the states, and the optimizer step's
-    own peak. They are kept apart so that each can be extrapolated over depth on its own.
+    Each mode gets three candidates for its steady peak (the largest is the step's): from the second step on the
+    states live through the forward and backward, so the forward's peak plus the states, the backward's peak plus the
+    states, and the optimizer step's own peak. They are kept apart so that each can be extrapolated over depth on its
+    own: which of them is the largest can change with depth (with checkpointing, the LM head's forward and backward
+    peaks differ by a few bytes), and the largest of two lines is not a line.
     """
     from .config import MODE_PARTS
     from .trainer import fora_optimizer
@@ -674,8 +728,10 @@ def _step_phases(
         with tracker:
             with _dequantized_during_matmul(linears, setup.autocast_dtype or setup.dtype):
                 with _autocast(setup, device):
-                    loss = model(**_batch(setup, device)).loss
-                kinds.mark(tracker.live(), "activations")  # what the forward leaves for the backward
+                    loss = sft_training_loss(model, _batch(setup, device))
+                kinds.mark(_live_after_collection(tracker), "activations")  # what the forward leaves for the backward
+                forward_peak = tracker.peak_live()
+                tracker.reset_peak()
                 loss.backward()
             del loss
             grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -683,8 +739,7 @@ def _step_phases(
             backward_peak = tracker.peak_live()
             backward_flops = tracker.flops
             phases = {}
-            # Modes without Stiefel lora_B first: Cayley-Adam's step leaves each lora_B a view into its stacked
-            # buffer, which would stay alive through a later mode's step.
+            # Modes without Stiefel lora_B first, so that no Cayley-Adam state is alive through another mode's step.
             for mode in sorted(modes, key=lambda m: MODE_PARTS[m][1]):
                 if mode == "lora":
                     optimizer = _lora_optimizer(setup, model)
@@ -702,19 +757,24 @@ def _step_phases(
                 }
                 euclidean_uids = tracker.uids(t for i, ts in states.items() if i not in stiefel for t in ts)
                 kinds.mark(euclidean_uids, "optimizer_states")
-                # What the step left alive is the optimizer's to keep (Cayley-Adam's stacked buffers are not all
-                # in `state`); beside the AdamW states, it is the Stiefel part, with the lora_B gradients.
+                # What the step left alive is the optimizer's to keep; beside the AdamW states, it is the Stiefel
+                # part (Cayley-Adam's state), with the lora_B gradients.
                 live = tracker.live()
                 kept = {u: b for u, b in live.items() if u not in before or u in euclidean_uids}
-                # A lora_B that the step moved into Cayley-Adam's stacked buffer is in `kept` now, not twice.
-                moved = {u for u in backward_peak if kinds.of(u) == "lora_params" and u not in live}
+                # A lora_B whose storage the step replaced (none does since lora_B own their storage; a cast would)
+                # is in `kept` now, not twice.
+                peaks = {**forward_peak, **backward_peak}
+                moved = {u for u in peaks if kinds.of(u) == "lora_params" and u not in live}
                 stiefel_uids = (set(kept) - euclidean_uids) | tracker.uids(
                     p.grad for p in model.parameters() if id(p) in stiefel and p.grad is not None
                 )
                 kind = _Kinds({**kinds.kind, **dict.fromkeys(stiefel_uids, "stiefel")})
                 flops = backward_flops + tracker.flops - flops
                 phases[mode] = [
-                    Phase(_peak(tracker, kind, {**_without(backward_peak, moved), **kept}), flops, trainable),
+                    *(
+                        Phase(_peak(tracker, kind, {**_without(peak, moved), **kept}), flops, trainable)
+                        for peak in (forward_peak, backward_peak)
+                    ),
                     Phase(_peak(tracker, kind, tracker.peak_live()), flops, trainable),
                 ]
                 del states, kept, live
@@ -772,6 +832,19 @@ def _shard(
         extra, what = (root, "the root (embeddings, norm, head)") if engine == "fsdp2" else (head, "the head")
         peak["transient"] = peak.get("transient", 0) + 2 * layer + extra
         note += f"; + {(2 * layer + extra) / GIB:.2f} GiB transient: two gathered decoder layers and {what}"
+        if engine == "fsdp2":
+            # At each forward's start fully_shard all-gathers the root and prefetches the first layer, and while it
+            # copies them out into the unsharded parameters the all-gather buffers live too: twice both, with no
+            # activation or gradient yet (zero_grad left none). FSDPMemTracker puts the step's peak there once the
+            # rest of the step holds less (bench/plan_fsdp2_simulation.py, checkpointing on).
+            start = {k: v for k, v in peak.items() if k not in ("activations", "transient", "lora_grads")}
+            start["transient"] = 2 * (root + layer)
+            if sum(start.values()) > sum(peak.values()):
+                peak = start
+                note += (
+                    f"; the peak is the forward's first all-gather: {start['transient'] / GIB:.2f} GiB, the root and "
+                    "a decoder layer twice (all-gather buffers and unsharded parameters)"
+                )
     notes = [note]
     if engine in ("zero1", "zero2", "zero3") and phase.peak.get("stiefel"):
         notes.append(f"{engine}: fora's Stiefel lora_B gradients and Cayley-Adam states are whole on every GPU")
@@ -893,7 +966,8 @@ def _measure(setup: PlanSetup, modes: tuple[str, ...], planned: list[int], scori
     device = torch.device("cpu")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     out: dict[str, list[Phase]] = {}
-    with _grouped_mm_in_any_dtype():
+    loss_head = _fused_lm_head_as_on_cuda() if setup.loss_head_device == "cuda" else contextlib.nullcontext()
+    with _grouped_mm_in_any_dtype(), loss_head:
         if scoring:
             out["scoring"] = [_scoring_phase(setup, fake_mode, device)]
         fora_modes = tuple(m for m in modes if m != "lora")
@@ -902,6 +976,41 @@ def _measure(setup: PlanSetup, modes: tuple[str, ...], planned: list[int], scori
         if "lora" in modes:
             out.update(_step_phases(setup, ("lora",), fake_mode, device, planned))
     return out
+
+
+@contextlib.contextmanager
+def _fused_lm_head_as_on_cuda():
+    """TRL's fused LM head (SFTTrainer's loss) as it runs on the GPU the plan is for, not on the host it runs on.
+
+    On CUDA it folds each (tokens, vocabulary chunk) tile of logits into the loss's running statistics, forward and
+    backward, by a Triton kernel, which allocates nothing, and accumulates the gradient products in fp32 by
+    ``addmm(out_dtype=float32)``. Without Triton and CUDA (this host) it folds with torch ops that make several fp32
+    copies of the tile, and casts both factors of each product to fp32: 3.5 and 0.9 GiB at 4,080 tokens, a 32,768-word
+    chunk and a 3,072 hidden size, absent on the GPU (its allocator's trace at the peak, issue 26). So the plan runs
+    the GPU's case: a fold that allocates nothing (fake tensors hold no values to fold) and the fp32-output product;
+    the tile, the statistics and the accumulators are TRL's own tensors and counted.
+    """
+    try:
+        from trl.kernels import chunked_logprob
+    except ImportError:  # a TRL without the fused head: the loss builds the logits, counted as they are
+        yield
+        return
+
+    def fold_in_place(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        if a.dtype in (torch.float16, torch.bfloat16):
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        else:
+            acc.addmm_(a, b)
+
+    stand_ins = {"_forward_tile": fold_in_place, "_backward_tile": fold_in_place, "_addmm_fp32": addmm_fp32}
+    with contextlib.ExitStack() as stack:
+        for name, stand_in in stand_ins.items():
+            if hasattr(chunked_logprob, name):
+                stack.enter_context(mock.patch.object(chunked_logprob, name, stand_in))
+        yield
 
 
 @contextlib.contextmanager

@@ -37,7 +37,9 @@ def random_stiefel(
             f"random_stiefel needs 1 <= r <= d, got d={d}, r={r}: a d x r matrix has at most d orthonormal columns."
         )
     gaussian = torch.randn(d, r, generator=generator, dtype=torch.float64)  # (d, r)
-    return qr_retraction(gaussian).to(dtype=dtype, device=device)
+    # Row-major like the lora_B weight it initialises (LAPACK's Q is column-major): a parameter made from it is laid
+    # out as nn.Linear's, which the optimizer's multi-tensor copies need to run as one kernel.
+    return qr_retraction(gaussian).to(dtype=dtype, device=device, memory_format=torch.contiguous_format)
 
 
 def qr_retraction(B: torch.Tensor) -> torch.Tensor:

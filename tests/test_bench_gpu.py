@@ -38,6 +38,7 @@ def test_every_section_ran_or_says_it_needs_cuda(report):
         "optimizer": "ok",
         "cli_train": "ok",
         "qfora": "skipped",
+        "memory_peak": "skipped",
         "plan": "ok",
     }
     assert sections["qfora"]["reason"].startswith("skipped: needs CUDA")
@@ -101,3 +102,33 @@ def test_scoring_syncs_optimizer_and_cli_sections_hold_their_measurements(report
     assert cli["adapted_layers"] == cli["chosen_layers"] and len(cli["chosen_layers"]) == 2
     assert cli["reloads_to_same_logits"] and cli["reload_vs_base_max_abs"] > 1e-3  # the adapter changes the model
     assert cli["max_saved_b_drift"] < 1e-3
+
+
+def test_peak_sites_replays_an_allocator_trace_to_its_peak():
+    """bench/gpu.py's reading of torch.cuda.memory._snapshot(), against a trace whose peak is known by hand."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu import peak_sites
+
+    def frames(*files):
+        return [{"filename": f, "line": 7, "name": "f"} for f in files]
+
+    torch_frame = "/x/site-packages/torch/nn/functional.py"
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": frames(torch_frame, "/x/site-packages/trl/a.py")},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": frames("/x/site-packages/peft/b.py")},
+        {"action": "free_requested", "addr": 1, "size": 100},  # not yet free
+        {"action": "alloc", "addr": 3, "size": 30, "frames": []},  # peak: 180
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 4, "size": 120, "frames": frames("/x/site-packages/trl/a.py")},  # 200: new peak
+        {"action": "free_completed", "addr": 4, "size": 120},
+        {"action": "free_completed", "addr": 9, "size": 64},  # allocated before the trace: not counted
+        {"action": "alloc", "addr": 5, "size": 10, "frames": []},
+    ]
+    found = peak_sites(trace)
+    assert found["peak_bytes"] == 200
+    assert dict(found["sites"]) == {
+        "trl/a.py:7 f": 120,
+        "peft/b.py:7 f": 50,
+        "(no Python frame: the autograd engine's backward)": 30,
+    }
+    assert [b["bytes"] for b in found["largest"]] == [120, 50, 30]

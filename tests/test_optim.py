@@ -3,12 +3,14 @@
 import contextlib
 import copy
 import io
+from unittest import mock
 
 import pytest
 import torch
 from dense_reference import dense_cayley_adam
 
 from fora_plugin import CayleyAdam, FoRAOptimizer
+from fora_plugin import optim as optim_module
 from fora_plugin.stiefel import orthogonality_error, qr_retraction, random_stiefel
 
 
@@ -534,6 +536,85 @@ def test_every_lora_b_and_moment_owns_its_storage_and_keeps_its_address_through_
     storages = [t.untyped_storage() for t in tensors]
     assert len({s.data_ptr() for s in storages}) == len(tensors)  # no tensor shares another one's storage
     assert all(s.nbytes() == t.numel() * t.element_size() for s, t in zip(storages, tensors))  # nor holds more
+
+
+class ForeachCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every op's name, and for each torch._foreach_copy_ whether each (destination, source) pair is dense with equal
+    sizes and strides: the pairs CUDA copies in one multi-tensor kernel (any other pair gets a kernel of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.slow_pairs: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not func.is_view:
+            self.ops.append(name)
+        if name == "_foreach_copy_":
+            for dst, src in zip(args[0], args[1]):
+                fast = (
+                    dst.shape == src.shape
+                    and dst.stride() == src.stride()
+                    and all(torch._prims_common.is_non_overlapping_and_dense_or_false(t) for t in (dst, src))
+                )
+                if not fast:
+                    self.slow_pairs.append((tuple(dst.shape), dst.stride(), tuple(src.shape), src.stride()))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_step_stages_its_copies_on_an_accelerator_and_not_on_the_cpu():
+    assert optim_module._copies_through_stage(torch.device("cuda"))
+    assert optim_module._copies_through_stage(torch.device("meta"))
+    assert not optim_module._copies_through_stage(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "experts"])
+def test_the_copies_in_and_out_are_a_few_multi_tensor_kernels_whatever_the_number_of_matrices(kind, staged):
+    """The GPU run of issue 26 found the step bound by the host issuing kernels: a strided copy per matrix took
+    hundreds of launches a step. Staged (as on an accelerator), each list copy must be one that CUDA runs as one
+    multi-tensor kernel, and the ops of a step must not grow with the number of matrices in a bucket; both ways (the
+    CPU copies matrix by matrix), the step must give the same parameters and state."""
+    gen = torch.Generator().manual_seed(60)
+
+    def one_step(count: int) -> ForeachCopies:
+        if kind == "experts":
+            params = [
+                torch.nn.Parameter(interleave([random_stiefel(24, 2, generator=gen) for _ in range(3)]))
+                for _ in range(count)
+            ]
+            opt = CayleyAdam([{"params": params, "num_experts": 3}], lr=0.02)
+        else:
+            dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+            params = stiefel_params([(24, 4)] * count, seed=61, dtype=dtype)
+            opt = CayleyAdam(params, lr=0.02)
+        set_random_grads(params, gen)
+        opt.step()  # the state is made
+        set_random_grads(params, gen)
+        with (
+            mock.patch.object(optim_module, "_copies_through_stage", lambda device: staged),
+            ForeachCopies() as copies,
+        ):
+            opt.step()
+        return copies, params, opt
+
+    (few, *_), (many, params, opt) = one_step(2), one_step(9)
+    if staged:
+        assert many.slow_pairs == []
+        assert sorted(many.ops) == sorted(few.ops)
+    # The same step the other way, from the same point, state and gradients: the same result.
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    other = CayleyAdam(twins, lr=0.02) if kind != "experts" else CayleyAdam([{"params": twins, "num_experts": 3}])
+    other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for p, q in zip(params, twins):
+        q.grad = p.grad.clone()
+    with mock.patch.object(optim_module, "_copies_through_stage", lambda device: not staged):
+        other.step()
+    with mock.patch.object(optim_module, "_copies_through_stage", lambda device: staged):
+        opt.step()
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
 
 
 def test_the_step_follows_the_old_step_and_loads_state_saved_by_it():

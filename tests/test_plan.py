@@ -1,5 +1,6 @@
 """`fora plan`: simulated memory and FLOPs against independent counts, and its refusals of bad input."""
 
+import dataclasses
 import json
 
 import pytest
@@ -10,6 +11,12 @@ from peft import LoraConfig, get_peft_model
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, T5Config
 
+
+try:
+    from trl.trainer.sft_trainer import add_fused_lm_head  # TRL >= 1.16: SFTTrainer's loss never builds the logits
+except ImportError:
+    add_fused_lm_head = None
+
 from fora_plugin import plan as plan_module
 from fora_plugin.cli import main
 from fora_plugin.memory import LiveTensorTracker, flop_formulas
@@ -17,6 +24,7 @@ from fora_plugin.plan import (
     BUNDLED_MODEL_CONFIGS,
     MODEL_CONFIGS,
     FourBit,
+    Phase,
     kinds_of,
     plan_setup,
     run_plan,
@@ -103,12 +111,22 @@ def test_four_bit_weights_take_their_packed_size(tmp_path):
     assert spec.packed_bytes(4096 * 4096) / (4096 * 4096) == pytest.approx(0.5 + 1 / 64, abs=2e-3)
 
 
+def _sft_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    """The loss as SFTTrainer forms it: under bf16 autocast (SFTConfig's default bf16=True) and through TRL's fused
+    LM head where the installed TRL has one."""
+    fused = {} if add_fused_lm_head is None else {"fused_lm_head": True}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, **fused).loss
+
+
 def _real_step_peak(checkpointing: bool) -> tuple[int, int]:
     """A real CPU LoRA step of the tiny Llama (fp32), measured by the same storage tracker: peak bytes and FLOPs."""
     torch.manual_seed(0)
     model = get_peft_model(
         LlamaForCausalLM(tiny_config()), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
     )
+    if add_fused_lm_head is not None:  # as SFTTrainer.__init__ does
+        add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))
     if checkpointing:
         model.gradient_checkpointing_enable()
         model.enable_input_require_grads()
@@ -124,7 +142,7 @@ def _real_step_peak(checkpointing: bool) -> tuple[int, int]:
     # Two steps: the second holds the optimizer states through forward and backward (the steady state).
     for _ in range(2):
         with tracker:
-            loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+            loss = _sft_loss(model, ids)
             loss.backward()
             del loss
             optimizer.step()
@@ -132,7 +150,7 @@ def _real_step_peak(checkpointing: bool) -> tuple[int, int]:
     flops = FlopCounterMode(display=False)
     flops.flop_registry = flop_formulas()  # + the CPU attention kernel's FLOPs (tests/test_memory.py checks them)
     with flops:
-        loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+        loss = _sft_loss(model, ids)
         loss.backward()
     return tracker.peak, flops.get_total_flops()
 
@@ -341,6 +359,22 @@ def test_fsdp2_adds_the_unsharded_root_to_two_gathered_layers(tmp_path):
     assert any("the root (embeddings, norm, head)" in note for note in result["notes"])
 
 
+def test_fsdp2_peaks_at_the_first_all_gather_when_the_rest_of_the_step_holds_less(tmp_path):
+    """While fully_shard copies the root and the prefetched first layer out of their all-gather buffers, both copies
+    are alive, before any activation (bench/plan_fsdp2_simulation.py: the peak under FSDPMemTracker with
+    checkpointing). Hand-made counts: per GPU, the gathered moment is 100 (weights / 8) + 2 (states) + 2·(100 + 40)."""
+    fsdp = ["--fsdp", "full_shard", "--fsdp_config", json.dumps({"version": 2})]
+    setup = plan_setup(write_config(tmp_path, dtype="bfloat16"), fsdp, gpus=8)
+    gathered = (40, 30, 100)  # a decoder layer, the head, the root
+    counts = {"weights": 800, "lora_grads": 8, "optimizer_states": 16, "transient": 5}
+    small, _ = plan_module._shard(setup, Phase(peak={**counts, "activations": 10}, flops=0), False, gathered)
+    assert small.peak == {"weights": 100, "optimizer_states": 2, "transient": 280}
+    # With activations that outweigh it, the step's own moment stays: + two layers and the root as transient.
+    large, _ = plan_module._shard(setup, Phase(peak={**counts, "activations": 1000}, flops=0), False, gathered)
+    expected = {"weights": 100, "lora_grads": 1, "optimizer_states": 2, "transient": 185, "activations": 1000}
+    assert large.peak == expected
+
+
 def test_full_depth_flag_reaches_the_plan(tmp_path, monkeypatch, capsys):
     seen = {}
 
@@ -386,6 +420,8 @@ def _real_forward_backward_flops(layers: list[int], input_hook: bool) -> int:
     torch.manual_seed(0)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, layers_to_transform=layers)
     model = get_peft_model(LlamaForCausalLM(tiny_config()), config)
+    if add_fused_lm_head is not None:  # as SFTTrainer.__init__ does
+        add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.disable_input_require_grads()
     if input_hook:
@@ -395,7 +431,7 @@ def _real_forward_backward_flops(layers: list[int], input_hook: bool) -> int:
     flops = FlopCounterMode(display=False)
     flops.flop_registry = flop_formulas()
     with flops:
-        model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
+        _sft_loss(model, ids).backward()
     return flops.get_total_flops()
 
 
@@ -429,3 +465,36 @@ def test_plan_takes_the_layers_of_a_scores_file_or_else_says_it_plans_the_worst_
     setup = plan_setup(write_config(tmp_path, fora_scores_path=str(scores)), [])
     with pytest.raises(ValueError, match=r"fora_scores_path=.* holds scores for 2 layers, but this model has 4"):
         plan_module.planned_placement(setup, LAYERS)
+
+
+@pytest.mark.skipif(add_fused_lm_head is None, reason="this TRL's SFTTrainer has no fused LM head")
+def test_the_plan_runs_trls_fused_head_as_on_cuda():
+    """Inside the plan (fake tensors), TRL's fused-head product accumulates a @ b into the fp32 accumulator in place,
+    as its CUDA branch does (no fp32 copies of the factors), and its tile folds allocate nothing (the GPU's Triton
+    kernels); the product's FLOPs are counted. Outside the plan TRL's own functions are back."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from trl.kernels import chunked_logprob
+
+    own = chunked_logprob._addmm_fp32, chunked_logprob._forward_tile, chunked_logprob._backward_tile
+    with plan_module._fused_lm_head_as_on_cuda(), FakeTensorMode():
+        acc = torch.zeros(6, 5)
+        a, b = torch.zeros(6, 7, dtype=torch.bfloat16), torch.zeros(7, 5, dtype=torch.bfloat16)
+        tile = torch.zeros(6, 5, dtype=torch.bfloat16)
+        tracker = LiveTensorTracker(count_flops=True)
+        for t in (acc, a, b, tile):
+            tracker.register(t)
+        before = tracker.current
+        with tracker:
+            chunked_logprob._addmm_fp32(acc, a, b)
+            chunked_logprob._forward_tile(tile, 5, *[None] * 12, **dict.fromkeys(["BLOCK_SIZE"], 1))
+            chunked_logprob._backward_tile(tile, 5)
+        assert tracker.peak == before  # nothing allocated
+        assert tracker.flops == 2 * 6 * 7 * 5
+        assert acc.dtype == torch.float32 and acc.shape == (6, 5)
+    assert (chunked_logprob._addmm_fp32, chunked_logprob._forward_tile, chunked_logprob._backward_tile) == own
+
+
+def test_a_loss_head_device_other_than_cuda_or_cpu_is_refused_by_name(tmp_path):
+    setup = plan_setup(write_config(tmp_path), [])
+    with pytest.raises(ValueError, match=r"loss_head_device='tpu': use one of \('cuda', 'cpu'\)"):
+        dataclasses.replace(setup, loss_head_device="tpu")
