@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from .data import read_json
+from .plots import pyplot
 from .validation import check_ablation_block, check_file, check_nonblank_text, check_output_folder, check_text_file
 
 
@@ -258,10 +259,7 @@ def ablation_table(results: dict[str, dict[str, Any]], tasks: list[str]) -> str:
 
 
 def plot_ablation(path: Path, results: dict[str, dict[str, Any]]) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(results)
     params = [results[n]["trainable_parameters"] / 1e6 for n in names]

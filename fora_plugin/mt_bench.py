@@ -36,6 +36,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .errors import refuse
+from .plots import pyplot
 from .validation import check_text_file, read_json
 
 
@@ -717,10 +718,7 @@ def results_markdown(summary: dict[str, dict[str, Any]], pairwise: Sequence[dict
 
 def plot_categories(path: str | Path, summary: dict[str, dict[str, Any]]) -> Path:
     """Per-category scores of one or more models side by side (grouped bars), the judge in the title."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     categories = [c for c in CATEGORIES if any(c in s["categories"] for s in summary.values())]
     categories += sorted({c for s in summary.values() for c in s["categories"]} - set(categories))

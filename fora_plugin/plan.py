@@ -38,8 +38,21 @@ from unittest import mock
 import torch
 from torch import nn
 
+from .plots import pyplot
 
-__all__ = ["MODES", "KINDS", "PlanSetup", "find_model_config", "plan_setup", "run_plan", "format_plan"]
+
+__all__ = [
+    "MODES",
+    "KINDS",
+    "LOSS_HEAD_DEVICES",
+    "PlanSetup",
+    "add_sft_loss_head",
+    "find_model_config",
+    "format_plan",
+    "plan_setup",
+    "run_plan",
+    "sft_training_loss",
+]
 
 MODES = ("fora", "fg-lora", "lora")
 # The kinds a peak is broken into; "lora" is LoRA parameters + their gradients + optimizer states.
@@ -1270,10 +1283,7 @@ def plan_json(setup: PlanSetup, result: dict[str, Any], gpu_memory: float | None
 
 def plot_plan(path: Path, setup: PlanSetup, result: dict[str, Any], gpu_memory: float | None) -> None:
     """Stacked bars: one per mode and phase, memory per GPU by kind, the GPU's memory as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     bars = [(f"{mode}\n{name}", kinds_of(p)) for mode, entry in result["phases"].items() for name, p in entry.items()]
     fig, ax = plt.subplots(figsize=(1.4 * len(bars) + 2, 4.5))

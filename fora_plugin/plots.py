@@ -4,6 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
+
+
+def pyplot() -> ModuleType:
+    """``matplotlib.pyplot`` on the Agg backend: files only, as no training machine has a display. Imported at the
+    first picture, so that matplotlib is needed only by the commands that draw."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def plot_fisher_scores(
@@ -15,10 +27,7 @@ def plot_fisher_scores(
     title: str = "",
 ) -> Path:
     """A bar chart of per-layer Fisher scores with the chosen layers highlighted, saved as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on training machines
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     chosen_set = set(chosen)
     heights = list(scores) if scores is not None else [1.0] * num_layers

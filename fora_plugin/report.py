@@ -22,6 +22,7 @@ from torch import nn
 
 from .diagnostics import delta_w_singular_values, effective_rank
 from .evaluation import eval_mode
+from .plots import pyplot
 from .stiefel import orthogonality_error
 from .validation import check_adapter_folder, check_selection_matches_adapter, read_json
 
@@ -184,10 +185,7 @@ def merged_mean_effective_rank(model: nn.Module) -> float:
 
 def plot_spectra(path: str | Path, reports: dict[str, dict[str, Any]]) -> Path:
     """Mean normalised singular spectrum of ΔW per module type, one line per adapter (the paper's figure)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     kinds = sorted({k for rep in reports.values() for k in rep["by_type"]})
     fig, axes = plt.subplots(1, len(kinds), figsize=(3.2 * len(kinds) + 1, 3.4), dpi=120, squeeze=False)

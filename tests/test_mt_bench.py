@@ -328,6 +328,14 @@ def test_a_server_that_dies_mid_run_keeps_judgments_and_a_rerun_resumes(files, s
     def kill_after_two():
         while dying.completions() < 2 and dying.process.poll() is None:
             time.sleep(0.005)
+        # The second reply is served before the client has written its judgment: under load, a stop at once could
+        # lose it in flight and leave one. Wait (5 s at most) until two are on disk, so the count below is exact.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            written = list((out / "model_judgment").glob("*_single.jsonl"))
+            if written and len(written[0].read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.005)
         dying.stop()
 
     watcher = threading.Thread(target=kill_after_two)
