@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import json
 import math
 import tempfile
@@ -649,14 +648,6 @@ def _tracked(setup: PlanSetup, model: nn.Module):
     return tracker, kinds
 
 
-def _live_after_collection(tracker) -> dict[int, int]:
-    """What is live once the garbage collector has run: a forward's temporaries caught in a reference cycle (TRL's
-    fused LM head makes some) are freed when it runs, which depends on how many objects the model made, not on what
-    the backward needs; left to chance, they would count as activations at some depths and not at others."""
-    gc.collect()
-    return tracker.live()
-
-
 def _peak(tracker, kinds: _Kinds, live: dict[int, int]) -> dict[str, int]:
     return {k: v for k, v in tracker.breakdown(live, kinds.of).items() if v}
 
@@ -672,7 +663,7 @@ def _scoring_phase(setup: PlanSetup, fake_mode, device: torch.device) -> Phase:
 
         def loss_fn(m, b):
             loss = sft_training_loss(m, b)
-            kinds.mark(_live_after_collection(tracker), "activations")  # what the forward leaves for the backward
+            kinds.mark(tracker.live(), "activations")  # what the forward leaves for the backward
             return loss
 
         with tracker, _dequantized_during_matmul(linears, setup.autocast_dtype or setup.dtype):
@@ -742,7 +733,7 @@ def _step_phases(
             with _dequantized_during_matmul(linears, setup.autocast_dtype or setup.dtype):
                 with _autocast(setup, device):
                     loss = sft_training_loss(model, _batch(setup, device))
-                kinds.mark(_live_after_collection(tracker), "activations")  # what the forward leaves for the backward
+                kinds.mark(tracker.live(), "activations")  # what the forward leaves for the backward
                 forward_peak = tracker.peak_live()
                 tracker.reset_peak()
                 loss.backward()
