@@ -48,14 +48,20 @@ def torchrun(script: Path | str, *args: str, nproc: int = 2, timeout: int = 1200
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     target = ["-m", script] if isinstance(script, str) else [str(script)]
-    result = subprocess.run(
-        [*command, "--master_port", free_port(), *target, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=HERE.parent,
-    )
+    for _ in range(2):  # at most one rerun, below
+        result = subprocess.run(
+            [*command, "--master_port", free_port(), *target, *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=HERE.parent,
+        )
+        # A gloo process can abort at interpreter exit, after destroy_process_group, with a C++ thread still
+        # joinable: once in a full suite on this 2-core machine (tests/distributed/fsdp_engine.py, issue 26's
+        # review), never in 4 runs of its test alone. That one signature is run once more; anything else fails.
+        if result.returncode == 0 or "terminate called without an active exception" not in result.stderr:
+            break
     if result.returncode != 0:
         output = result.stdout[-4000:] + result.stderr[-8000:]
         pytest.fail(f"torchrun {' '.join(target)} failed (rc={result.returncode}):\n{output}")
