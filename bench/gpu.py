@@ -13,7 +13,7 @@ b. ``plan``: ``fora plan`` (``fora_plugin.plan.plan``, in a child process that r
 c. ``scoring``: Fisher scoring of 8 batches as FoRASFTTrainer runs it (its batches, loss, checkpointing, autocast):
    time, and peak memory against the step's and the plan's.
 d. ``host_syncs``: ``torch.cuda.set_sync_debug_mode`` around 10 steps of the trainer's FoRA optimizer (fused AdamW on
-   lora_A, Cayley-Adam on lora_B) and around one FoRALogs log; fora_plugin.host_sync's counter on any device.
+   lora_A, Cayley-Adam on lora_B) and around one FoRALogs log; tests/host_sync.py's counter on any device.
 e. ``optimizer``: bench/optimizer.py's Cayley-Adam against fused and foreach AdamW (the LLaMA-3.1-8B lora_B sets at
    r 32 and 16, the Qwen3-30B-A3B experts, and the dense d x d step).
 f. ``qfora``: the 3B config saved with random bf16 weights, loaded as NF4 by bitsandbytes on the GPU, scored on 8
@@ -56,6 +56,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent / "tests"))  # tests/host_sync.py: the host-sync counter the tests use too
 
 import step_time  # noqa: E402  (bench/step_time.py: the rows of (a), and the trainers of (c), (d), (f))
 from step_time import GIB, REPO, TARGETS, Setting  # noqa: E402
@@ -558,9 +559,9 @@ def sync_warnings(caught: list[warnings.WarningMessage] | None) -> list[str] | N
 
 
 def section_host_syncs(ctx: Run) -> dict[str, Any]:
+    from host_sync import HostSyncCounter
     from step_time import build_trainer, placements, release
 
-    from fora_plugin.host_sync import HostSyncCounter
     from fora_plugin.wiring import FoRALogs
 
     s = ctx.scale.setting
@@ -610,7 +611,7 @@ def section_host_syncs(ctx: Run) -> dict[str, Any]:
     log_cuda = "skipped: needs CUDA" if result["log_cuda_warn"] is None else len(result["log_cuda_warn"])
     result["text"] = "\n".join(
         [
-            "| what | host syncs (fora_plugin.host_sync counter) | CUDA sync debug mode 'warn' | goal |",
+            "| what | host syncs (tests/host_sync.py counter) | CUDA sync debug mode 'warn' | goal |",
             "|---|---:|---:|---:|",
             f"| first optimizer step (state made) | {first.count} | — | — |",
             f"| {steps} optimizer steps (AdamW fused={fused}, Cayley-Adam) | {result['counter']} | {cuda} | 0 |",

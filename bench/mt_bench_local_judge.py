@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from fora_plugin.models import BUNDLED_GEMMA, resolve_model_path
+
 
 EXAMPLES = (
     "[Question]\nWhat is the capital of France?\n\n"
@@ -37,8 +39,6 @@ TEMPLATE = (
 
 
 def make_judge_folder(target: Path) -> Path:
-    from fora_plugin.models import BUNDLED_GEMMA, resolve_model_path
-
     source = Path(resolve_model_path(BUNDLED_GEMMA))
     target.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):

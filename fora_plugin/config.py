@@ -1,38 +1,55 @@
-"""FoRAConfig: where to adapt and how, validated up front; and its ``fora_``-prefixed form for YAML configs."""
+"""FoRAConfig: where to adapt and how, validated up front; and its ``fora_``-prefixed form for YAML configs.
+
+May import: adapter, errors, fisher, selection, stiefel, validation.
+"""
 
 # No `from __future__ import annotations`: HfArgumentParser reads these field types at run time.
 import dataclasses
-import math
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .adapter import INIT_A
+from .errors import FoRAInputError, refuse
 from .fisher import FISHER_PARAMS
-from .selection import LAYER_STRATEGIES
+from .selection import LAYER_STRATEGIES, check_layer_list, parse_layer_budget
 from .stiefel import CAYLEY_SOLVERS
-from .validation import is_integer, is_real, refuse
+from .validation import check_choice, check_float, check_int, is_real
+
+
+__all__ = ["MODES", "MODE_PARTS", "PREFIX", "FoRAArguments", "FoRAConfig", "check_cayley_adam_settings"]
 
 
 MODES = ("fora", "fg-lora", "stiefel-lora", "lora")
 # mode -> (Fisher-selected layers, Stiefel lora_B): the paper's 2x2 ablation.
 MODE_PARTS = {"fora": (True, True), "fg-lora": (True, False), "stiefel-lora": (False, True), "lora": (False, False)}
-INIT_A = ("zeros", "gaussian")
 
 
-def _check_choice(name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is invalid: use one of {choices}.")
-
-
-def _check_float(name: str, value: Any, in_range: Callable[[float], bool], accepted: str) -> None:
-    # NaN and inf are refused before the range check: NaN passes every `<` test and trains a NaN adapter.
-    if not (is_real(value) and in_range(value)):
-        refuse(name, value, f"use {accepted}")
-
-
-def _check_int(name: str, value: Any, minimum: int, hint: str) -> None:
-    if not (is_integer(value) and value >= minimum):
-        refuse(name, value, f"use an int >= {minimum} ({hint})")
+def check_cayley_adam_settings(
+    *,
+    betas: Any,
+    eps: Any,
+    qr_period: Any,
+    cayley_solver: Any,
+    cayley_iters: Any,
+    keys: Mapping[str, Any] | None = None,
+) -> None:
+    """The one rule of each Cayley-Adam setting, which :class:`FoRAConfig` and ``CayleyAdam``'s param groups both
+    check. ``keys``: the caller's name of each setting where it differs (FoRAConfig's ``stiefel_eps``); ``betas``
+    named by a pair of keys is checked as two fields, by one key as a pair."""
+    keys = keys or {}
+    beta_keys = keys.get("betas", "betas")
+    if isinstance(beta_keys, str):
+        pair = isinstance(betas, (tuple, list)) and len(betas) == 2
+        if not (pair and all(is_real(b) and 0 <= b < 1 for b in betas)):
+            refuse(beta_keys, betas, "use two floats in [0, 1), e.g. (0.9, 0.99)")
+    else:
+        for key, beta in zip(beta_keys, betas):
+            check_float(key, beta, lambda x: 0 <= x < 1, "a float in [0, 1), e.g. 0.9 and 0.99")
+    check_float(keys.get("eps", "eps"), eps, lambda x: x >= 0, "a finite float >= 0, e.g. 1e-8")
+    check_int(keys.get("qr_period", "qr_period"), qr_period, 0, "0 = never re-project")
+    check_choice(keys.get("cayley_solver", "cayley_solver"), cayley_solver, CAYLEY_SOLVERS)
+    check_int(keys.get("cayley_iters", "cayley_iters"), cayley_iters, 1, "the paper uses 5")
 
 
 @dataclass
@@ -137,35 +154,32 @@ class FoRAConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_choice("mode", self.mode, MODES)
-        _check_choice("layer_strategy", self.layer_strategy, LAYER_STRATEGIES)
-        _check_choice("fisher_params", self.fisher_params, FISHER_PARAMS)
-        _check_choice("cayley_solver", self.cayley_solver, CAYLEY_SOLVERS)
-        _check_choice("init_a", self.init_a, INIT_A)
-        self.layer_budget = _parse_budget(self.layer_budget)
-        _check_int("fisher_batches", self.fisher_batches, 1, "the paper uses 128")
-        _check_int("qr_period", self.qr_period, 0, "0 = never re-project")
-        _check_int("cayley_iters", self.cayley_iters, 1, "the paper uses 5")
-        _check_float("lr_stiefel", self.lr_stiefel, lambda x: x > 0, "a finite float > 0 (the paper uses 1e-3)")
-        for name in ("stiefel_beta1", "stiefel_beta2"):
-            _check_float(name, getattr(self, name), lambda x: 0 <= x < 1, "a float in [0, 1), e.g. 0.9 and 0.99")
-        _check_float("stiefel_eps", self.stiefel_eps, lambda x: x >= 0, "a finite float >= 0, e.g. 1e-8")
+        check_choice("mode", self.mode, MODES)
+        check_choice("layer_strategy", self.layer_strategy, LAYER_STRATEGIES)
+        check_choice("fisher_params", self.fisher_params, FISHER_PARAMS)
+        check_choice("init_a", self.init_a, INIT_A)
+        self.layer_budget = parse_layer_budget(self.layer_budget)
+        check_int("fisher_batches", self.fisher_batches, 1, "the paper uses 128")
+        check_float("lr_stiefel", self.lr_stiefel, lambda x: x > 0, "a finite float > 0 (the paper uses 1e-3)")
+        check_cayley_adam_settings(
+            betas=(self.stiefel_beta1, self.stiefel_beta2),
+            eps=self.stiefel_eps,
+            qr_period=self.qr_period,
+            cayley_solver=self.cayley_solver,
+            cayley_iters=self.cayley_iters,
+            keys={"betas": ("stiefel_beta1", "stiefel_beta2"), "eps": "stiefel_eps"},
+        )
         if self.seed is not None:
-            _check_int("seed", self.seed, 0, "or None for the training seed")
+            check_int("seed", self.seed, 0, "or None for the training seed")
         if self.layers is not None:
-            self.layers = list(self.layers)
-            bad = [i for i in self.layers if isinstance(i, bool) or not isinstance(i, int) or i < 0]
-            if bad or not self.layers or len(set(self.layers)) != len(self.layers):
-                raise ValueError(
-                    f"layers={self.layers!r} is invalid: use distinct 0-based layer indices, e.g. [0, 3, 7]."
-                )
+            self.layers = check_layer_list(self.layers)
             if not self.selects_layers:
-                raise ValueError(
+                raise FoRAInputError(
                     f"layers={self.layers} contradicts mode={self.mode!r}, which adapts every layer: "
                     "use mode 'fora' or 'fg-lora' with explicit layers."
                 )
             if self.scores_path is not None:
-                raise ValueError("layers and scores_path are both set: explicit layers skip scoring, so drop one.")
+                raise FoRAInputError("layers and scores_path are both set: explicit layers skip scoring, so drop one.")
 
     @property
     def selects_layers(self) -> bool:
@@ -176,22 +190,6 @@ class FoRAConfig:
     def uses_stiefel(self) -> bool:
         """Whether this mode makes lora_B Stiefel-constrained."""
         return MODE_PARTS[self.mode][1]
-
-
-def _parse_budget(value: float | int | str) -> float | int:
-    # From the command line every value is a string: "8" is K = 8, "0.5" is a fraction.
-    if isinstance(value, str):
-        try:
-            value = int(value) if value.strip().lstrip("+").isdigit() else float(value)
-        except ValueError:
-            raise ValueError(f"layer_budget={value!r} is invalid: use a fraction in (0, 1] or an int K.") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"layer_budget={value!r} is invalid: use a fraction in (0, 1] or an int K.")
-    if isinstance(value, float) and not 0.0 < value <= 1.0:
-        raise ValueError(f"layer_budget={value} is a fraction outside (0, 1]: use e.g. 0.5 (K = L/2) or an int K.")
-    if isinstance(value, int) and value < 1:
-        raise ValueError(f"layer_budget={value} gives K < 1: adapt at least one layer.")
-    return value
 
 
 PREFIX = "fora_"

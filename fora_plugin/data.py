@@ -3,6 +3,8 @@
 Alpaca rows (`instruction`, `input`, `output`) become prompt/completion pairs in the Stanford Alpaca template.
 TRL's `SFTTrainer` trains such datasets with the loss on the completion only (its default
 `completion_only_loss`), so the model learns the responses, not the instructions.
+
+May import: errors, validation.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from datasets import Dataset, load_dataset
 from datasets.exceptions import DatasetGenerationError
 
-from .errors import refuse
+from .errors import FoRAInputError, refuse
 from .validation import check_completions, check_json_rows_file, json_error_position, read_json
 
 
@@ -69,12 +71,12 @@ def load_train_dataset(
         dataset = _load_hub_dataset(name_or_path, config_name, split)
     else:
         if config_name is not None:
-            raise ValueError(
+            raise FoRAInputError(
                 f"config_name={config_name!r} was given for the local dataset {str(local)!r}, but only hub "
                 "datasets have configs. Remove config_name."
             )
         if split != "train":
-            raise ValueError(
+            raise FoRAInputError(
                 f"split={split!r} is not in the local dataset {str(local)!r}, whose only split is ['train']. "
                 "Use split: train, or point to a file holding that split."
             )
@@ -86,7 +88,9 @@ def load_train_dataset(
         except DatasetGenerationError as error:
             problem = _first_json_problem(files)
             if problem is not None:
-                raise ValueError(f"{problem}. Fix the file: one JSON array of rows, or one row per line.") from error
+                raise FoRAInputError(
+                    f"{problem}. Fix the file: one JSON array of rows, or one row per line."
+                ) from error
             # Valid JSON that the builder still cannot read (a column whose type changes from row to row): about
             # this file, which only this place names.
             cause = error.__cause__ or error
@@ -100,7 +104,7 @@ def load_train_dataset(
     where = str(local) if local is not None else f"dataset {name_or_path!r} (split {split!r})"
     check_columns(dataset.column_names, where)
     if len(dataset) == 0:
-        raise ValueError(f"{where} has no rows: give a dataset with training examples.")
+        raise FoRAInputError(f"{where} has no rows: give a dataset with training examples.")
     columns = set(dataset.column_names)
     if {"instruction", "output"} <= columns and not columns & set(_SFT_COLUMNS):
         dataset = dataset.map(alpaca_to_prompt_completion, remove_columns=[c for c in ALPACA_COLUMNS if c in columns])
@@ -116,7 +120,7 @@ def _load_hub_dataset(name: str, config_name: str | None, split: str) -> Dataset
     try:
         return load_dataset(name, name=config_name, split=split)
     except (ConnectionError, DatasetNotFoundError) as error:
-        raise ValueError(
+        raise FoRAInputError(
             f"dataset_name={name!r} is neither a local file or folder nor a dataset the hub could give "
             f"({type(error).__name__}: {error}). Give the path of a local .json/.jsonl file (relative paths are "
             "looked up in the current directory, then next to the config), or a hub dataset name on a machine with "
@@ -129,7 +133,7 @@ def check_columns(columns: list[str], where: str) -> None:
     if any(set(needed) <= set(columns) for needed, _ in ACCEPTED_FORMATS):
         return
     accepted = "; ".join(f"{' + '.join(needed)} ({what})" for needed, what in ACCEPTED_FORMATS)
-    raise ValueError(
+    raise FoRAInputError(
         f"{where} has rows with columns {sorted(columns)}, which is none of the accepted formats: {accepted}. "
         "Rename the columns (e.g. question -> instruction, answer -> output)."
     )
@@ -167,7 +171,7 @@ def _find_local(name_or_path: str, base_dir: str | Path | None) -> Path | None:
         if candidate.exists():
             return candidate
     if path.suffix in _JSON_SUFFIXES or path.is_absolute():
-        raise ValueError(
+        raise FoRAInputError(
             f"Dataset file {name_or_path!r} not found; tried {', '.join(str(p) for p in tried)}. "
             "Relative paths are looked up in the current directory, then next to the config file."
         )
@@ -177,7 +181,7 @@ def _find_local(name_or_path: str, base_dir: str | Path | None) -> Path | None:
 def _json_files(local: Path) -> list[str]:
     files = [local] if local.is_file() else sorted(p for p in local.iterdir() if p.suffix in _JSON_SUFFIXES)
     if not files or files[0].suffix not in _JSON_SUFFIXES:
-        raise ValueError(
+        raise FoRAInputError(
             f"Local dataset {str(local)!r} is not a .json/.jsonl file or a folder holding some. Convert it to "
             "JSON/JSONL, or give a `datasets` hub name."
         )

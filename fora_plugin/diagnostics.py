@@ -4,6 +4,8 @@ The training-log diagnostics (:func:`read_adapter_diagnostics`) make one host sy
 adapter is reduced to two r x r Gram matrices (BᵀB and AAᵀ) and every ``lora_B``'s drift to one number; all of them
 are read back in one transfer, and the r x r spectra are finished on the host (NumPy), where a LAPACK call costs no
 device sync. On an accelerator, a per-adapter SVD or ``.item()`` would each stall the launch queue.
+
+May import: nothing of fora_plugin.
 """
 
 from __future__ import annotations
@@ -15,6 +17,18 @@ import numpy as np
 import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
+
+
+__all__ = [
+    "adapter_grams",
+    "delta_w_singular_values",
+    "effective_rank",
+    "largest_drift",
+    "lora_pairs",
+    "mean_effective_rank",
+    "read_adapter_diagnostics",
+    "singular_values_from_grams",
+]
 
 
 def _entropy_effective_rank(s: np.ndarray) -> float:

@@ -8,6 +8,8 @@
   tokens of context from the window before.
 - MT-Bench: two-turn answers with the model's chat template, written in FastChat's ``model_answer`` JSONL format, to
   be judged by FastChat's ``gen_judgment`` (the judge needs the user's API key; nothing here calls an API).
+
+May import: data, errors.
 """
 
 from __future__ import annotations
@@ -27,6 +29,23 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .data import ALPACA_PROMPT_NO_INPUT
+from .errors import FoRAInputError
+
+
+__all__ = [
+    "ANSWER_PATTERNS",
+    "commonsense_accuracy",
+    "commonsense_prompt",
+    "completion_loss",
+    "eval_mode",
+    "extract_answer",
+    "generate",
+    "lm_eval_command",
+    "mt_bench_answers",
+    "mt_bench_judge_command",
+    "perplexity",
+    "write_jsonl",
+]
 
 
 # The answer words of each LLM-Adapters task, as its evaluation script reads them.
@@ -56,7 +75,7 @@ def eval_mode(model: nn.Module):
 def extract_answer(task: str, text: str) -> str:
     """The first answer word of ``task``'s kind in a generated ``text``; ``""`` when there is none (a miss)."""
     if task not in ANSWER_PATTERNS:
-        raise ValueError(f"task={task!r} has no answer format; known tasks: {sorted(ANSWER_PATTERNS)}.")
+        raise FoRAInputError(f"task={task!r} has no answer format; known tasks: {sorted(ANSWER_PATTERNS)}.")
     found = re.findall(ANSWER_PATTERNS[task], text.strip())
     return found[0] if found else ""
 
@@ -148,12 +167,12 @@ def perplexity(
     """Perplexity exp(mean NLL) of ``text`` over strided windows; ``max_tokens`` caps the tokens scored. ``name``
     says where the text comes from (a flag and its file), for the message when it is too short."""
     if not 0 < stride <= max_length:
-        raise ValueError(f"stride={stride} must be in 1..max_length={max_length}.")
+        raise FoRAInputError(f"stride={stride} must be in 1..max_length={max_length}.")
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if ids.numel() < 2:
-        raise ValueError(
+        raise FoRAInputError(
             f"{name} holds {ids.numel()} token(s){f' (max_tokens={max_tokens})' if max_tokens is not None else ''}: "
             "perplexity needs at least 2 (each token is predicted from those before it). Give a longer text."
         )
@@ -191,7 +210,7 @@ def mt_bench_answers(
 ) -> list[dict[str, Any]]:
     """Two-turn answers to MT-Bench questions, as FastChat ``model_answer`` records."""
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
+        raise FoRAInputError(
             "MT-Bench needs a chat model: the tokenizer has no chat_template. Set one (e.g. from the "
             "instruct variant of the model) or evaluate an instruction-tuned checkpoint."
         )

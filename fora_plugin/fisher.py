@@ -12,6 +12,8 @@ are fewer tokens than features. With ``linear_grad="activations"`` no parameter 
 models): linears by x and g, every other parameter by a local re-run of its module (``watch_module``).
 
 Scoring runs in train mode with dropout off: with dropout the score would be a random sample, not the Fisher.
+
+May import: errors, targets, validation.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,20 +29,27 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers.pytorch_utils import Conv1D
+
+from .errors import FoRAInputError
+from .targets import base_name, find_decoder_layers, is_linear_like, matches_target
+from .validation import check_choice, check_int
+
+
+__all__ = [
+    "FISHER_PARAMS",
+    "LINEAR_GRADS",
+    "FisherScores",
+    "GatherParameters",
+    "fisher_scores",
+    "mark_quantized",
+    "squared_norm_of_outer_sum",
+]
 
 
 FISHER_PARAMS = ("layer", "targets")
+# gather(params) -> a context manager holding sharded parameters whole (an engine's, passed to fisher_scores).
+GatherParameters = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager]
 LINEAR_GRADS = ("auto", "activations")
-# Attribute paths tried, in order, when a model has no get_decoder().layers.
-_LAYER_PATHS = (
-    "model.layers",
-    "model.language_model.layers",
-    "model.decoder.layers",
-    "transformer.h",
-    "gpt_neox.layers",
-    "layers",
-)
 
 
 @dataclass
@@ -55,51 +65,9 @@ class FisherScores:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The decoder layer list of a causal LM (never a vision tower or an encoder) and its qualified name.
-
-    Uses ``get_decoder().layers`` (Llama, Qwen, Gemma 3, and the language model of multimodal models), then a few
-    common attribute paths. A ``PeftModel`` is looked through to its base model.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = {id(m): n for n, m in model.named_modules()}
-    candidates = []
-    get_decoder = getattr(base, "get_decoder", None)
-    if callable(get_decoder):
-        with contextlib.suppress(Exception):
-            candidates.append(getattr(get_decoder(), "layers", None))
-    for path in _LAYER_PATHS:
-        module = base
-        for part in path.split("."):
-            module = getattr(module, part, None)
-        candidates.append(module)
-    for layers in candidates:
-        if isinstance(layers, nn.ModuleList) and len(layers) > 0 and id(layers) in names:
-            return names[id(layers)], layers
-    raise ValueError(
-        f"Cannot find the decoder layers of {type(base).__name__}: looked for get_decoder().layers and the "
-        f"attributes {list(_LAYER_PATHS)}. FoRA scores and adapts the decoder layers of causal language models."
-    )
-
-
 def _is_adapter_parameter(name: str) -> bool:
     # PEFT's own tensors: lora_A/lora_B/lora_magnitude_vector..., and the trainable copies of modules_to_save.
     return any(part.startswith("lora_") or part == "modules_to_save" for part in name.split("."))
-
-
-def _base_name(name: str) -> str:
-    """``name`` without PEFT's ``base_layer`` hops, as the unwrapped model names it (target matching)."""
-    return ".".join(part for part in name.split(".") if part != "base_layer")
-
-
-def is_linear_like(module: nn.Module) -> bool:
-    """A module that computes y = x Wᵀ (+ b): ``nn.Linear`` and its quantized forms (bitsandbytes, GPTQ, AWQ, HQQ,
-    torchao, fp8), which all expose ``in_features``/``out_features``, and transformers' ``Conv1D`` (GPT-2)."""
-    if isinstance(module, (nn.Linear, Conv1D)):
-        return True
-    return isinstance(getattr(module, "in_features", None), int) and isinstance(
-        getattr(module, "out_features", None), int
-    )
 
 
 def _weight_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -114,8 +82,21 @@ def _weight_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+# Linears that stand for quantized ones (``fora plan`` builds fake 4-bit models from float linears): scored as a
+# quantized linear is, from x and g. Weak, so that marking keeps nothing alive.
+_QUANTIZED_STAND_INS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def mark_quantized(module: nn.Module) -> None:
+    """Score ``module`` as a quantized linear (from its input and output gradient, no weight gradient), whatever its
+    weight is: for models that stand for a quantized one, such as ``fora plan``'s 4-bit models."""
+    _QUANTIZED_STAND_INS.add(module)
+
+
 def _has_autograd_weight(module: nn.Module) -> bool:
     """Whether the module's weight is a plain float Parameter, one autograd can give a gradient."""
+    if module in _QUANTIZED_STAND_INS:
+        return False
     weight = getattr(module, "weight", None)
     # A quantized weight is packed (uint8/int), a buffer (GPTQ, AWQ, HQQ), a tensor subclass (torchao, fp8,
     # bitsandbytes' Params4bit), or a 4-bit weight in a float storage (bnb_4bit_quant_storage=bfloat16 under
@@ -128,7 +109,7 @@ def _check_trainable_layout(linear: nn.Module) -> None:
     # never back; its matmul then passes no gradient to the layer's input, so the scores would be wrong.
     state = getattr(getattr(linear, "weight", None), "quant_state", None)
     if getattr(state, "packing_format_for_cpu", False):
-        raise ValueError(
+        raise FoRAInputError(
             f"A {type(linear).__name__} weight has packing_format_for_cpu=True: an eval-mode forward without "
             "gradients (evaluate(), generate()) repacked it for CPU inference, and gradients no longer flow through "
             "it. Score the 4-bit model before any such forward, or load it again."
@@ -136,8 +117,7 @@ def _check_trainable_layout(linear: nn.Module) -> None:
 
 
 def _in_scope(name: str, targets: Sequence[str]) -> bool:
-    name = _base_name(name)
-    return any(name == t or name.endswith("." + t) for t in targets)
+    return matches_target(base_name(name), targets)
 
 
 def squared_norm_of_outer_sum(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -215,8 +195,9 @@ class _ScoredByReplay(torch.autograd.Function):
 class _LayerAccumulator:
     """Hooks that add squared gradient norms into per-layer totals (a device tensor) as gradients appear."""
 
-    def __init__(self, num_layers: int, device: torch.device) -> None:
+    def __init__(self, num_layers: int, device: torch.device, gather: GatherParameters | None = None) -> None:
         self.totals = torch.zeros(num_layers, dtype=torch.float32, device=device)
+        self.gather = gather
         self.handles: list[Any] = []
         self._replaying = False  # set while a module re-runs inside a gradient hook: no hook may count that run
         self._forwarded: dict[str, str] = {}  # label -> type name, of modules whose output needed a gradient
@@ -282,7 +263,7 @@ class _LayerAccumulator:
                 return None
             outputs = _tensors(output)
             if outputs is None:
-                raise ValueError(
+                raise FoRAInputError(
                     f"{label} ({type(module).__name__}) returns a {type(output).__name__}: linear_grad="
                     "'activations' scores a module's own parameters from its tensor outputs only. Use "
                     "linear_grad='auto' for this model."
@@ -307,12 +288,13 @@ class _LayerAccumulator:
                 for i, tensor in zip(tensor_at, inputs):
                     saved[i] = tensor
                 saved_args, saved_kwargs = torch.utils._pytree.tree_unflatten(saved, spec)
-                # ZeRO-3 partitions the module's own parameters outside its forward: gather them for the replay,
-                # and call forward, not the module's __call__, whose ZeRO-3 hooks expect ZeRO parameters.
+                # A sharding engine (ZeRO-3) partitions the module's own parameters outside its forward: gather them
+                # for the replay, and call forward, not the module's __call__, whose ZeRO-3 hooks expect ZeRO
+                # parameters.
                 # (_reparametrize_module is what torch.func.functional_call runs around __call__.)
                 own = [getattr(module, n) for n in names]
                 autocast_ctx = torch.autocast(device_type, dtype=autocast[1], enabled=autocast[0])
-                with _zero3_gathered(own), torch.enable_grad(), autocast_ctx:
+                with self.gather(own) if self.gather else contextlib.nullcontext(), torch.enable_grad(), autocast_ctx:
                     copies = {n: p.detach().requires_grad_(True) for n, p in zip(names, own)}
                     self._replaying = True
                     try:
@@ -343,7 +325,7 @@ class _LayerAccumulator:
         """Refuse scores that silently miss a module: it ran with gradients on, yet its output never got one."""
         missed = {label: kind for label, kind in self._forwarded.items() if label not in self._reached}
         if missed:
-            raise ValueError(
+            raise FoRAInputError(
                 f"Fisher scoring: {missed} ran in the forward but their outputs never received a gradient, so their "
                 "weights would score 0. Their forward does not pass gradients (a custom kernel without backward, or "
                 "a bitsandbytes weight repacked for inference): load the model so that gradients flow through these "
@@ -430,6 +412,7 @@ def fisher_scores(
     target_parameters: Sequence[str] | None = None,
     linear_grad: str = "auto",
     autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+    gather: GatherParameters | None = None,
     progress: bool = True,
 ) -> FisherScores:
     """Score every decoder layer of ``model`` with the empirical Fisher over ``num_batches`` mini-batches.
@@ -452,25 +435,26 @@ def fisher_scores(
             routers, fused experts) by re-running its module on a detached copy (``_LayerAccumulator.watch_module``).
         autocast: a factory of the context manager each forward runs under, e.g. a trainer's
             ``compute_loss_context_manager`` (autocast as in training).
+        gather: for a sharding engine that partitions parameters outside their module's forward (DeepSpeed ZeRO-3:
+            :func:`fora_plugin.zero.gathered_parameters`), ``gather(params)`` is a context manager that holds them
+            whole while a module re-runs under ``linear_grad="activations"``. The engine is passed in, not imported:
+            scoring knows no engine.
         progress: show a progress bar.
 
     The model runs in train mode (so gradient checkpointing, if enabled, applies as in training) with every dropout
     off; requires_grad flags, modes and gradients are restored afterwards. Scores are summed on the device
     of the model's first parameter, also when the layers are spread over devices.
     """
-    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
-        raise ValueError(f"fisher_batches={num_batches!r} is invalid: use an int >= 1 (the paper uses 128).")
-    if fisher_params not in FISHER_PARAMS:
-        raise ValueError(f"fisher_params={fisher_params!r} is invalid: use one of {FISHER_PARAMS}.")
-    if linear_grad not in LINEAR_GRADS:
-        raise ValueError(f"linear_grad={linear_grad!r} is invalid: use one of {LINEAR_GRADS}.")
+    check_int("fisher_batches", num_batches, 1, "the paper uses 128")
+    check_choice("fisher_params", fisher_params, FISHER_PARAMS)
+    check_choice("linear_grad", linear_grad, LINEAR_GRADS)
     if fisher_params == "targets" and not target_modules and not target_parameters:
-        raise ValueError(
+        raise FoRAInputError(
             "fisher_params='targets' needs target_modules (e.g. ['q_proj', 'v_proj']) or target_parameters."
         )
     prefix, layers = find_decoder_layers(model)
     device = next(model.parameters()).device
-    accumulator = _LayerAccumulator(len(layers), device)
+    accumulator = _LayerAccumulator(len(layers), device, gather)
     loss_fn = loss_fn or _default_loss
     started = time.perf_counter()
     if device.type == "cuda":
@@ -506,7 +490,7 @@ def fisher_scores(
         accumulator.check_reached()
 
     if count == 0:
-        raise ValueError("Fisher scoring got no batch: the dataset (or this rank's share of it) is empty.")
+        raise FoRAInputError("Fisher scoring got no batch: the dataset (or this rank's share of it) is empty.")
     if count < num_batches:
         warnings.warn(
             f"fisher_batches={num_batches} but only {count} batches are available; scoring on {count}. "
@@ -567,13 +551,21 @@ def _watch_layer(
             n for n in names if not (isinstance(tensors[n], nn.Parameter) and tensors[n].is_floating_point())
         ]
         if unscorable:
-            raise ValueError(
+            raise FoRAInputError(
                 f"{label} ({type(module).__name__}) holds weights {unscorable} that Fisher scoring cannot reach: "
                 "they are buffers or non-float tensors (a quantized format), and the module is not linear-like "
                 "(no in_features/out_features), so neither autograd nor its input and output gradient give their "
                 "gradient. Load this model unquantized for scoring, or pass scores computed elsewhere (scores_path)."
             )
         if linear_grad == "activations":
+            if accumulator.gather is None and any(tensors[n].numel() == 0 for n in names):
+                # A sharding engine (DeepSpeed ZeRO-3) keeps the weight elsewhere: the replay needs it whole.
+                raise FoRAInputError(
+                    f"{label} ({type(module).__name__}) holds parameters {names} with no elements here: a sharding "
+                    "engine (DeepSpeed ZeRO-3) partitions them, and scoring re-runs this module on them. Pass "
+                    "fisher_scores(..., gather=fora_plugin.zero.gathered_parameters) so that they are gathered whole "
+                    "for it (FoRASFTTrainer and the Axolotl plugin do)."
+                )
             accumulator.watch_module(index, label, module, names)
             continue
         for n in names:
@@ -590,12 +582,3 @@ def _output_requires_grad(module: nn.Module):
         yield
     finally:
         handle.remove()
-
-
-def _zero3_gathered(params: list[torch.Tensor]) -> contextlib.AbstractContextManager:
-    """DeepSpeed ZeRO-3 parameters gathered whole for the duration (a collective); other parameters as they are."""
-    if not any(hasattr(p, "ds_id") for p in params):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters([p for p in params if hasattr(p, "ds_id")])

@@ -26,6 +26,8 @@ Refused, each with the setting and the fix: FSDP1 (its flat parameters cut acros
 default integer storage, scoring weights that are not loaded on every rank (``cpu_ram_efficient_loading``), an
 optimizer left on the unsharded parameters, trainable parameters partly unsharded, a ``lora_B`` not sharded by rows
 of a 1-D mesh, and ranks that chose different layers.
+
+May import: config, errors, optim.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.utils import strtobool
 
 from .config import FoRAConfig
+from .errors import FoRAInputError
 from .optim import init_cayley_adam_state
 
 
@@ -96,7 +99,7 @@ def check_fsdp(args: Any, fora: FoRAConfig) -> int | None:
         return None if setting is None else setting[0]
     version, described = setting
     if version != 2:
-        raise ValueError(
+        raise FoRAInputError(
             f"{described} cannot be combined with mode={fora.mode!r}: FSDP1 flattens parameters into 1-D slices "
             "that cut across lora_B matrices, and the Cayley step needs matrices. Use FSDP2 (fsdp_config "
             '{"version": 2}, or fsdp_version: 2 in the accelerate config: example_configs/accelerate/'
@@ -105,7 +108,7 @@ def check_fsdp(args: Any, fora: FoRAConfig) -> int | None:
     if getattr(args, "world_size", 1) < 2:
         # HF refuses it too, but only once accelerate has been set up (which leaves ACCELERATE_USE_FSDP in the
         # environment of the process).
-        raise ValueError(
+        raise FoRAInputError(
             f"{described} cannot be combined with mode={fora.mode!r} in a single process: FSDP2 shards the model "
             "across processes. Launch with torchrun or accelerate launch (example_configs/accelerate/"
             "fsdp2_8gpu.yaml), or drop the FSDP setting."
@@ -131,7 +134,7 @@ def check_weights_on_every_rank(cpu_ram_efficient_loading: Any, fora: FoRAConfig
     if isinstance(cpu_ram_efficient_loading, str):
         cpu_ram_efficient_loading = bool(strtobool(cpu_ram_efficient_loading))
     if cpu_ram_efficient_loading and fora.mode != "lora" and _scores_here(fora):
-        raise ValueError(
+        raise FoRAInputError(
             f"{name}={cpu_ram_efficient_loading!r} loads the weights on the first rank only, but FoRA scores the "
             "layers on every rank before FSDP2 shards the model. Set it false, or choose the layers without scoring "
             "here: fora_layers, or fora_scores_path from a `fora score` run."
@@ -155,7 +158,7 @@ def prepare_fsdp2(trainer: Trainer, fora: FoRAConfig) -> None:
         return
     meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
     if meta is not None:
-        raise ValueError(
+        raise FoRAInputError(
             f"Parameter {meta} is on the meta device: this rank did not load the model's weights "
             "(fsdp_cpu_ram_efficient_loading: true loads them on the first rank only), so it cannot be Fisher "
             "scored before sharding. Set fsdp_cpu_ram_efficient_loading: false, or choose the layers without "
@@ -171,7 +174,7 @@ def prepare_fsdp2(trainer: Trainer, fora: FoRAConfig) -> None:
 def _check_quant_storage(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         if type(param).__name__ == "Params4bit" and not param.is_floating_point():
-            raise ValueError(
+            raise FoRAInputError(
                 f"{name} is a 4-bit weight stored as {param.dtype} (bnb_4bit_quant_storage): FSDP2 cannot shard "
                 "integer storage (accelerate leaves such weights whole on every rank; older versions train on with "
                 "loss 0 or NaN gradients). Load the model with BitsAndBytesConfig(..., bnb_4bit_quant_storage="
@@ -224,7 +227,7 @@ def check_sharded_training(model: nn.Module, optimizer: torch.optim.Optimizer) -
     for group in optimizer.param_groups:
         for index, p in enumerate(group["params"]):
             if id(p) not in model_params:
-                raise ValueError(
+                raise FoRAInputError(
                     f"The optimizer's parameter #{index} of shape {tuple(p.shape)} (group stiefel="
                     f"{bool(group.get('stiefel'))}) is not a parameter of the model: the model was sharded after the "
                     "optimizer was built and the optimizer was not switched to the sharded parameters. Prepare the "
@@ -234,7 +237,7 @@ def check_sharded_training(model: nn.Module, optimizer: torch.optim.Optimizer) -
     sharded = [n for n, p in trainable if _is_dtensor(p)]
     if sharded and len(sharded) < len(trainable):
         plain = next(n for n, p in trainable if not _is_dtensor(p))
-        raise ValueError(
+        raise FoRAInputError(
             f"FSDP2 sharded {sharded[0]} but left the trainable {plain} a plain tensor (is its module in the FSDP "
             "ignored modules?): gradient clipping over both fails with 'got mixed torch.Tensor and DTensor'. Let "
             "FSDP2 shard every trainable parameter."
@@ -250,7 +253,7 @@ def check_sharded_training(model: nn.Module, optimizer: torch.optim.Optimizer) -
             continue
         for p in group["params"]:
             if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
-                raise ValueError(
+                raise FoRAInputError(
                     f"Stiefel lora_B {names.get(id(p), '?')} is sharded as {p.placements} on a {p.device_mesh.ndim}-D "
                     "mesh; FoRA's Cayley step sums its Gram matrix over row shards of a 1-D mesh (FSDP2's own layout:"
                     " Shard(0)). Use fully_shard on a 1-D mesh (no tensor parallelism, no HSDP) and no "
@@ -280,7 +283,7 @@ def init_sharded_stiefel_state(model: nn.Module, optimizer: torch.optim.Optimize
                     init_cayley_adam_state(optimizer.state[p], p, group.get("num_experts", 1))
             except ValueError as error:
                 optimizer.state.pop(p, None)
-                raise ValueError(
+                raise FoRAInputError(
                     f"Stiefel lora_B {names.get(id(p), '?')} of shape {tuple(p.shape)} cannot be projected onto the "
                     f"manifold: {error}"
                 ) from error
@@ -293,7 +296,7 @@ def check_same_selection(chosen: list[int]) -> None:
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, list(chosen))
     if any(other != every[0] for other in every):
-        raise ValueError(
+        raise FoRAInputError(
             f"The ranks chose different layers for LoRA: {every}. Every rank must score the same model with the "
             "all-reduced Fisher sums (fisher_scores does this under torch.distributed), or set fora_layers."
         )

@@ -6,7 +6,10 @@ seen yet is counted once (views share their base's storage) and uncounted when i
 rounding. It works the same on real CPU tensors (calibration), meta tensors and fake tensors (``fora plan``).
 
 The peak is kept as the set of storages live at that moment, so that it can be broken down afterwards by what each
-storage turned out to be (a weight, a gradient, an optimizer state, a saved activation).
+storage turned out to be (a weight, a gradient, an optimizer state, a saved activation). :func:`flop_formulas` gives
+FLOP formulas for the ops ``FlopCounterMode`` lacks. In the package only ``fora plan`` uses them (bench/ does too).
+
+May import: nothing of fora_plugin.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
 
 
-__all__ = ["LiveTensorTracker", "storage_bytes"]
+__all__ = ["LiveTensorTracker", "flop_formulas", "storage_bytes"]
 
 _DEVICE_QUERY = torch.ops.prim.device.default
 
@@ -43,8 +47,6 @@ def flop_formulas() -> dict:
     MoE experts (``torch._grouped_mm``), SDPA's CPU kernels (fake tensors on the CPU take them; on a GPU the
     same attention is a flash/efficient kernel that ``FlopCounterMode`` counts, with the same formula), and the
     in-place ``addmm_`` (TRL's fused LM head accumulates its gradient products with it off CUDA)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     aten = torch.ops.aten
     formulas = dict(FlopCounterMode(display=False).flop_registry)
     formulas[aten._grouped_mm] = _grouped_mm_flops
@@ -134,6 +136,7 @@ class LiveTensorTracker(TorchDispatchMode):
         return None if entry is None else entry[0]
 
     def uids(self, tensors: Iterable[torch.Tensor]) -> set[int]:
+        """The ids of those of ``tensors`` whose storages are live and counted."""
         return {u for u in (self.uid(t) for t in tensors) if u is not None}
 
     def live(self) -> dict[int, int]:

@@ -4,6 +4,8 @@ The quickstart's default model, Gemma-3-270M, ships as a Q4_K_M GGUF file inside
 with pip and needs no hub access. Loading a GGUF file de-quantises the weights and rebuilds the tokenizer, which
 takes a minute or two on a CPU, so it is done once: the result is saved as an ordinary float32 safetensors folder
 in a cache, and every later run loads that folder in seconds.
+
+May import: errors.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
+
+from .errors import FoRAInputError
+
+
+__all__ = ["BUNDLED_GEMMA", "default_cache_dir", "resolve_model_path"]
 
 
 logger = logging.getLogger(__name__)
@@ -57,7 +64,7 @@ def resolve_model_path(name_or_path: str, *, cache_dir: str | Path | None = None
     if name_or_path.endswith(".gguf"):
         gguf_file = Path(name_or_path).expanduser().resolve()
         if not gguf_file.is_file():
-            raise ValueError(
+            raise FoRAInputError(
                 f"model_name_or_path={name_or_path!r} looks like a GGUF file but {gguf_file} does not exist. "
                 f"Fix the path, or use model_name_or_path: {BUNDLED_GEMMA} for the bundled Gemma-3-270M "
                 f"({_QUICKSTART_INSTALL})."
@@ -72,7 +79,7 @@ def resolve_model_path(name_or_path: str, *, cache_dir: str | Path | None = None
         return str(target)
 
     if _looks_like_path(name_or_path) and not Path(name_or_path).expanduser().is_dir():
-        raise ValueError(
+        raise FoRAInputError(
             f"model_name_or_path={name_or_path!r} is a local path, but {Path(name_or_path).expanduser().resolve()} is "
             "not a folder. Fix the path (a folder with config.json and the weights), or give a hub name "
             f"('org/model'), a .gguf file, or {BUNDLED_GEMMA}."

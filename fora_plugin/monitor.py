@@ -5,6 +5,8 @@ orders of magnitude, and FoRA's ``fora/max_orthogonality_error`` grows. Cayley-A
 non-finite gradient and re-projects a lora_B that drifted from the manifold (its ``skipped_steps`` and
 ``reprojections`` counters). :class:`DivergenceMonitor` reads both at every log and warns once per kind, naming the
 step, the value and the usual fixes.
+
+May import: optim, validation.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .optim import REPROJECT_THRESHOLD, CayleyAdam, FoRAOptimizer
+from .optim import REPROJECT_THRESHOLD, CayleyAdam, FoRAOptimizer, wrapped_optimizers
+from .validation import check_float
+
+
+__all__ = ["FIXES", "DivergenceMonitor", "stiefel_counters"]
 
 
 logger = logging.getLogger(__name__)
@@ -31,13 +37,10 @@ def stiefel_counters(optimizer: Any) -> dict[str, int] | None:
     """FoRA's Cayley-Adam ``skipped_steps`` and ``reprojections`` totals, through the wrappers a trainer puts around
     its optimizer (accelerate's ``AcceleratedOptimizer``, DeepSpeed's ZeRO optimizer and FoRA's ZeRO client); None
     when no Cayley-Adam is found. One host sync per counter."""
-    seen = set()
-    while optimizer is not None and id(optimizer) not in seen:
-        seen.add(id(optimizer))
-        for candidate in (optimizer, getattr(optimizer, "stiefel", None)):
+    for wrapper in wrapped_optimizers(optimizer):
+        for candidate in (wrapper, getattr(wrapper, "stiefel", None)):
             if isinstance(candidate, (CayleyAdam, FoRAOptimizer)):
                 return {"skipped_steps": candidate.skipped_steps(), "reprojections": candidate.reprojections()}
-        optimizer = getattr(optimizer, "optimizer", None)
     return None
 
 
@@ -57,13 +60,7 @@ class DivergenceMonitor(TrainerCallback):
 
     def __init__(self, orthogonality_threshold: float = REPROJECT_THRESHOLD, grad_norm_jump: float = 1e3) -> None:
         for name, value in (("orthogonality_threshold", orthogonality_threshold), ("grad_norm_jump", grad_norm_jump)):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise ValueError(f"DivergenceMonitor {name}={value!r} is invalid: use a finite float > 0.")
+            check_float(f"DivergenceMonitor {name}", value, lambda x: x > 0, "a finite float > 0")
         self.orthogonality_threshold = orthogonality_threshold
         self.grad_norm_jump = grad_norm_jump
         self.warned: set[str] = set()

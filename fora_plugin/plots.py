@@ -1,10 +1,16 @@
-"""Pictures a person looks at instead of reading numbers: Fisher scores over depth."""
+"""Pictures a person looks at instead of reading numbers: Fisher scores over depth.
+
+May import: nothing of fora_plugin.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+
+
+__all__ = ["plot_fisher_scores", "pyplot"]
 
 
 def pyplot() -> ModuleType:

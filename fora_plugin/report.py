@@ -4,6 +4,8 @@ For each module: the singular values of ΔW = scaling · B A (via the r x r fact
 matrix), their entropy effective rank (Roy & Vetterli) and its ratio to r, ‖ΔW‖_F, and ‖BᵀB − I‖_F; with a base
 model, KL(p_trained ‖ p_base) on held-out text. Works on any PEFT LoRA adapter, so FoRA and its baselines compare
 side by side.
+
+May import: diagnostics, errors, evaluation, plots, stiefel, targets, validation.
 """
 
 from __future__ import annotations
@@ -21,10 +23,24 @@ from safetensors.torch import load_file
 from torch import nn
 
 from .diagnostics import delta_w_singular_values, effective_rank
+from .errors import FoRAInputError
 from .evaluation import eval_mode
 from .plots import pyplot
 from .stiefel import orthogonality_error
+from .targets import layer_index
 from .validation import check_adapter_folder, check_selection_matches_adapter, read_json
+
+
+__all__ = [
+    "adapter_report",
+    "kl_to_base",
+    "load_adapter_pairs",
+    "markdown_summary",
+    "merged_delta_weight",
+    "merged_effective_rank",
+    "merged_mean_effective_rank",
+    "plot_spectra",
+]
 
 
 def load_adapter_pairs(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
@@ -32,7 +48,7 @@ def load_adapter_pairs(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[st
     adapter_dir = Path(adapter_dir)
     weights_file = adapter_dir / "adapter_model.safetensors"
     if not weights_file.is_file():
-        raise ValueError(
+        raise FoRAInputError(
             f"{adapter_dir} is not a PEFT adapter folder: it needs adapter_config.json and "
             "adapter_model.safetensors (what save_pretrained / fora train write)."
         )
@@ -40,7 +56,7 @@ def load_adapter_pairs(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[st
     tensors = load_file(weights_file)
     broken = [key for key, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if broken:
-        raise ValueError(
+        raise FoRAInputError(
             f"{adapter_dir} holds NaN/inf weights in {len(broken)} tensors ({', '.join(broken[:3])}"
             f"{', ...' if len(broken) > 3 else ''}): the training that wrote it diverged. Train again from an "
             "earlier checkpoint or with a lower learning_rate / fora_lr_stiefel (and max_grad_norm set)."
@@ -61,14 +77,6 @@ def _scaling(config: dict[str, Any], module: str, r: int) -> float:
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
 
-def _layer_index(name: str) -> int | None:
-    parts = name.split(".")
-    for before, after in zip(parts, parts[1:]):
-        if before in ("layers", "h") and after.isdigit():
-            return int(after)
-    return None
-
-
 def adapter_report(adapter_dir: str | Path) -> dict[str, Any]:
     """Per-module and per-module-type statistics of a LoRA adapter."""
     config, pairs = load_adapter_pairs(adapter_dir)
@@ -81,7 +89,7 @@ def adapter_report(adapter_dir: str | Path) -> dict[str, Any]:
             {
                 "module": name,
                 "type": name.rsplit(".", 1)[-1],
-                "layer": _layer_index(name),
+                "layer": layer_index(name),
                 "rank": a.shape[0],
                 "scaling": scaling,
                 "singular_values": sv.tolist(),
@@ -154,7 +162,7 @@ def merged_delta_weight(module: LoraLayer, adapter: str) -> torch.Tensor:
     """
     base = module.get_base_layer().weight
     if not base.is_floating_point():
-        raise ValueError(
+        raise FoRAInputError(
             f"The merged ΔW of a quantized base weight ({base.dtype}) is not computed here: compare adapters "
             "trained on a float base, or use `fora report` (B A from the adapter files)."
         )

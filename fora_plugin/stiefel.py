@@ -8,11 +8,28 @@ The Cayley step follows Wen & Yin (2013), "A feasible method for optimization wi
 skew-symmetric direction W = U Bᵀ − B Uᵀ has rank at most 2r, so W = L Rᵀ with L = [U, B] and R = [B, −U], and
 the Sherman–Morrison–Woodbury identity turns the d x d inverse of the Cayley transform into one 2r x 2r solve
 (their Lemma 4). No d x d matrix is ever built: every step costs O(d·r² + r³).
+
+May import: nothing of fora_plugin.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+__all__ = [
+    "CAYLEY_SOLVERS",
+    "cayley_coefficients",
+    "cayley_span_step",
+    "cayley_step",
+    "cholesky_qr",
+    "inverse_cholesky_factor",
+    "orthogonality_error",
+    "qr_retraction",
+    "random_stiefel",
+    "skew_generator",
+    "tangent_projection",
+]
 
 
 CAYLEY_SOLVERS = ("exact", "fixed_point")

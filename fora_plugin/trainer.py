@@ -22,6 +22,8 @@ Overridden, and why:
 
 Scoring runs the way a training step does (:func:`score_on_trainer`): the activation checkpointing and the autocast
 that ``Trainer.train`` switches on, and, under fp16, a loss scale so that small gradients do not underflow.
+
+May import: backward, compatibility, config, errors, fisher, fsdp, monitor, optim, validation, wiring, zero.
 """
 
 from __future__ import annotations
@@ -34,14 +36,12 @@ import math
 import os
 import zipfile
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel
 from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
-from transformers.trainer_utils import get_last_checkpoint
 from trl import SFTTrainer
 
 from .backward import (
@@ -50,14 +50,21 @@ from .backward import (
     disable_input_require_grads,
     stop_backward_at_lowest_adapted_layer,
 )
+from .compatibility import (
+    check_dora,
+    check_init_lora_weights,
+    check_layers_unset,
+    check_learning_rate,
+    check_optimizer,
+)
 from .config import FoRAConfig
+from .errors import FoRAInputError, FoRAInputTypeError
 from .fisher import FisherScores, fisher_scores
 from .fsdp import check_fsdp, prepare_fsdp2
 from .monitor import DivergenceMonitor
 from .optim import FoRAOptimizer, build_fora_optimizer, check_lr_scheduler_type
+from .validation import resolve_checkpoint
 from .wiring import (
-    SCORES_FILE,
-    SCORES_PLOT,
     FoRALogs,
     FoRASelection,
     SaveSelectionCallback,
@@ -69,37 +76,31 @@ from .wiring import (
 from .zero import (
     STIEFEL_STATE_FILE,
     Zero3FoRAOptimizer,
+    ZeroClientOptimizer,
     ZeroFoRAOptimizer,
     build_zero3_fora_optimizer,
     build_zero_fora_optimizer,
     check_deepspeed_config,
     deepspeed_zero_stage,
     find_zero_client,
+    gathered_parameters,
     join_deepspeed_process_group,
     zero3_scoring_engine,
 )
 
 
 __all__ = [
-    "ADAMW_OPTIMS",
-    "SCORES_FILE",
-    "SCORES_PLOT",
     "FoRASFTTrainer",
-    "FoRASelection",
+    "FoRATraining",
     "ZeroStiefelCallback",
     "check_checkpoint_files",
-    "check_fsdp",
-    "check_init_lora_weights",
-    "check_learning_rate",
-    "fora_optimizer",
-    "format_selection_table",
-    "prepare_deepspeed",
-    "score_on_trainer",
     "checkpoint_as_in_training",
+    "fora_optimizer",
+    "prepare_deepspeed",
+    "prepare_fora_training",
+    "score_on_trainer",
 ]
 
-# transformers.Trainer's default optimizers, which FoRA's optimizer replaces with the same AdamW maths.
-ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # Loss scales tried in turn while scoring under fp16: GradScaler's initial scale first, lower ones if it overflows.
 _FP16_LOSS_SCALES = (2.0**16, 2.0**8, 1.0)
 # What a compute_loss call changes besides returning the loss: TRL's training metrics and token count. (Axolotl's
@@ -153,6 +154,7 @@ def score_on_trainer(
                 target_modules=targets,
                 target_parameters=target_parameters,
                 linear_grad="activations" if zero3 else "auto",
+                gather=gathered_parameters if zero3 else None,
                 # The mixed-precision autocast accelerate's prepare_model puts around every training forward
                 # (compute_loss_context_manager is a null context in transformers 5).
                 autocast=trainer.accelerator.autocast,
@@ -166,7 +168,7 @@ def score_on_trainer(
         for name, value in saved.items():
             setattr(trainer, name, value)
     if not all(math.isfinite(s) for s in scores.scores):
-        raise ValueError(
+        raise FoRAInputError(
             f"The Fisher scores are not finite ({scores.scores}): the loss or its gradients are NaN/inf on the "
             "scoring batches, so the layers cannot be chosen. Check the model weights and the data (an fp16 model "
             "that overflows: load it in bf16 or fp32)."
@@ -266,6 +268,57 @@ def prepare_deepspeed(trainer: Trainer, fora: FoRAConfig, resume_checkpoint: Cal
         trainer.add_callback(ZeroStiefelCallback(trainer, resume_checkpoint))
 
 
+@dataclasses.dataclass
+class FoRATraining:
+    """What :func:`prepare_fora_training` set up on a trainer: the selection, where the backward stops (None: it
+    cannot stop early) and the log entries to add at every log."""
+
+    selection: FoRASelection
+    backward_stop: BackwardStop | None
+    logs: FoRALogs
+
+
+def prepare_fora_training(
+    trainer: Trainer,
+    fora: FoRAConfig,
+    *,
+    score: Callable[[], FisherScores],
+    checkpoint: str | None,
+    resume_checkpoint: Callable[[], str | None],
+    fsdp2: bool,
+    autocast_adapter_dtype: bool = True,
+    reentrant: bool | None = None,
+) -> FoRATraining:
+    """The steps FoRASFTTrainer and the Axolotl plugin both take once the trainer holds its LoRA-wrapped model and
+    before it builds its optimizer, in this order:
+
+    1. the DeepSpeed checks and ZeRO-1/2 Stiefel callback (:func:`prepare_deepspeed`), the FSDP2 ones if ``fsdp2``;
+    2. the layers: ``checkpoint``'s saved selection when resuming, else ``score()`` (the base model, adapters off);
+    3. the adapter moved onto those layers only, its ``lora_B`` made Stiefel (:func:`readapt_lora`);
+    4. the backward made to stop at the lowest adapted layer (``reentrant``: see
+       :func:`stop_backward_at_lowest_adapted_layer`);
+    5. the callbacks that save the selection and watch for divergence, and the selection table printed.
+
+    The optimizer and the log entries are left to the caller: each front end hands them to its trainer its own way.
+    """
+    prepare_deepspeed(trainer, fora, resume_checkpoint)
+    if fsdp2:
+        prepare_fsdp2(trainer, fora)
+    seed = fora.seed if fora.seed is not None else trainer.args.seed
+    model = trainer.model
+    selection = choose_layers(model.get_base_model(), fora, seed=seed, checkpoint=checkpoint, score=score)
+    readapt_lora(model, selection, fora, seed, autocast_adapter_dtype=autocast_adapter_dtype)
+    # With activation checkpointing the backward would run through every layer (TRL's and Axolotl's embeddings
+    # hook): it stops at the lowest adapted layer instead, now and at every train().
+    backward_stop = stop_backward_at_lowest_adapted_layer(trainer, reentrant=reentrant)
+    trainer.add_callback(SaveSelectionCallback(selection))
+    trainer.add_callback(DivergenceMonitor())
+    if trainer.is_world_process_zero():
+        # The files follow when training ends (SaveSelectionCallback): a failed run leaves output_dir as it was.
+        print(format_selection_table(selection))
+    return FoRATraining(selection, backward_stop, FoRALogs(selection))
+
+
 class ZeroStiefelCallback(TrainerCallback):
     """Under DeepSpeed: binds FoRA's client optimizer to the engine's (which turns DeepSpeed's own clipping off), and
     keeps its Cayley-Adam state in checkpoints.
@@ -278,12 +331,12 @@ class ZeroStiefelCallback(TrainerCallback):
         self.trainer = trainer
         self.resume_checkpoint = resume_checkpoint
 
-    def _client(self) -> ZeroFoRAOptimizer:
+    def _client(self) -> ZeroClientOptimizer:
         engine_optimizer = self.trainer.model_wrapped.optimizer
         client = find_zero_client(engine_optimizer)
         if client is None:
             inner = getattr(engine_optimizer, "optimizer", None)
-            raise TypeError(
+            raise FoRAInputTypeError(
                 f"DeepSpeed's optimizer wraps a {type(inner).__name__}, not FoRA's ZeroFoRAOptimizer: something "
                 "replaced FoRA's optimizer (a DeepSpeed `optimizer` block, or offload with "
                 "zero_force_ds_cpu_optimizer true)."
@@ -298,7 +351,7 @@ class ZeroStiefelCallback(TrainerCallback):
             return
         path = os.path.join(checkpoint, STIEFEL_STATE_FILE)
         if not os.path.isfile(path):
-            raise ValueError(
+            raise FoRAInputError(
                 f"Resuming from {checkpoint} under DeepSpeed, but it has no {STIEFEL_STATE_FILE} (the Cayley-Adam "
                 "state of the Stiefel lora_B): it was not saved by FoRA under DeepSpeed. Resume it without "
                 "DeepSpeed, or start a new run."
@@ -334,15 +387,15 @@ class FoRASFTTrainer(SFTTrainer):
     ) -> None:
         self.fora_config = fora_config = fora_config or FoRAConfig()
         if not isinstance(fora_config, FoRAConfig):
-            raise TypeError(f"fora_config must be a FoRAConfig, got {type(fora_config).__name__}.")
+            raise FoRAInputTypeError(f"fora_config must be a FoRAConfig, got {type(fora_config).__name__}.")
         if isinstance(model, PeftModel):
-            raise ValueError(
+            raise FoRAInputError(
                 "FoRASFTTrainer got a PeftModel: FoRA decides which layers carry LoRA, so it needs the base model. "
                 "Pass the base model with peft_config=LoraConfig(...); if the PeftModel holds trained weights to "
                 "keep, merge_and_unload() it first."
             )
         if not isinstance(peft_config, LoraConfig):
-            raise TypeError(
+            raise FoRAInputTypeError(
                 f"FoRASFTTrainer needs peft_config=LoraConfig(...), got {type(peft_config).__name__}: FoRA is a LoRA "
                 "method (its rank, alpha, dropout and target modules come from the LoraConfig)."
             )
@@ -361,42 +414,26 @@ class FoRASFTTrainer(SFTTrainer):
             check_fsdp(args, fora_config)
             check_lr_scheduler_type(args.lr_scheduler_type)
         if kwargs.get("optimizers", (None, None))[0] is not None:
-            raise ValueError(
+            raise FoRAInputError(
                 "FoRASFTTrainer builds its own optimizer (AdamW for lora_A, Cayley-Adam for lora_B): "
                 "leave optimizers=(None, None) and set learning_rate / fora lr_stiefel instead."
             )
         # SFTTrainer wraps every layer the LoraConfig targets, as it would for LoRA (k-bit bases included); once the
         # layers are chosen the adapter moves onto those only. The caller's LoraConfig is left as it was.
         super().__init__(model, args, *pos, peft_config=copy.deepcopy(peft_config), **kwargs)
-        optim = getattr(self.args.optim, "value", self.args.optim)  # an OptimizerNames enum after __post_init__
-        if optim not in ADAMW_OPTIMS:
-            raise ValueError(
-                f"optim={optim!r} cannot be combined with FoRA, whose optimizer is AdamW on "
-                f"lora_A plus Cayley-Adam on lora_B: use optim in {ADAMW_OPTIMS}."
-            )
+        check_optimizer(self.args.optim, "optim")
         self._fora_resume: str | None = None
-        prepare_deepspeed(self, fora_config, lambda: self._fora_resume)
-        if check_fsdp(self.args, fora_config) == 2:
-            prepare_fsdp2(self, fora_config)
-        self._fora_seed = fora_config.seed if fora_config.seed is not None else self.args.seed
-        selection = choose_layers(
-            self.model.get_base_model(),
+        training = prepare_fora_training(
+            self,
             fora_config,
-            seed=self._fora_seed,
-            checkpoint=_resolve_checkpoint(self.args.resume_from_checkpoint, self.args.output_dir),
             score=lambda: self.fora_score(peft_config),
+            checkpoint=resolve_checkpoint(self.args.resume_from_checkpoint, self.args.output_dir),
+            resume_checkpoint=lambda: self._fora_resume,
+            fsdp2=check_fsdp(self.args, fora_config) == 2,
         )
-        readapt_lora(self.model, selection, fora_config, self._fora_seed)
-        # With activation checkpointing the backward would run through every layer (TRL's embeddings hook): it stops
-        # at the lowest adapted layer instead, now and at every train() (None: something trainable lies below).
-        self.fora_backward_stop = stop_backward_at_lowest_adapted_layer(self)
-        self.fora_selection = selection
-        self._fora_logs = FoRALogs(selection)
-        self.add_callback(SaveSelectionCallback(selection))
-        self.add_callback(DivergenceMonitor())
-        if self.is_world_process_zero():
-            # The files follow when training ends (SaveSelectionCallback): a failed run leaves output_dir as it was.
-            print(format_selection_table(selection))
+        self.fora_selection = training.selection
+        self.fora_backward_stop = training.backward_stop
+        self._fora_logs = training.logs
 
     def fora_score(self, peft_config: LoraConfig | None = None) -> FisherScores:
         """Fisher scores of the base model (LoRA adapters disabled) on the trainer's own batches and loss."""
@@ -415,14 +452,14 @@ class FoRASFTTrainer(SFTTrainer):
         super().log(logs, start_time)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        checkpoint = _resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         self._fora_resume = checkpoint
         if checkpoint is not None:
             check_checkpoint_files(checkpoint)
         if checkpoint is not None and self.fora_selection is not None and self.fora_config.selects_layers:
             saved = FoRASelection.read(checkpoint)
             if saved["chosen_layers"] != self.fora_selection.chosen:
-                raise ValueError(
+                raise FoRAInputError(
                     f"Checkpoint {checkpoint} was trained with LoRA on layers {saved['chosen_layers']}, but this "
                     f"trainer adapts layers {self.fora_selection.chosen}. Build the trainer with "
                     f"args.resume_from_checkpoint={str(checkpoint)!r} so it reuses the checkpoint's selection, and "
@@ -433,55 +470,6 @@ class FoRASFTTrainer(SFTTrainer):
 
 
 # ------------------------------------------------------------------------------------------------------- checks
-# PEFT 0.21's init_lora_weights that leave the base weights as they are. FoRA scores the base model and then rebuilds
-# the adapter on the chosen layers with the same LoraConfig, so the init runs on a base it must not have changed.
-BASE_PRESERVING_INITS = (True, False, "gaussian", "orthogonal")
-# The others, and why FoRA cannot take them. pissa (and pissa_niter_N), olora, corda, loftq and lora_ga subtract the
-# initial adapter from the base weights (W <- W - s·BA) when the model is wrapped.
-_BASE_CHANGING_INITS = {
-    "pissa": "subtracts",
-    "olora": "subtracts",
-    "corda": "subtracts",
-    "loftq": "subtracts",
-    "lora_ga": "subtracts",
-    "eva": "data",
-    "mica": "frozen",
-}
-_INIT_REASONS = {
-    "subtracts": "it subtracts the initial adapter from the base weights when the model is wrapped, and FoRA "
-    "would score that residual model and then rebuild the adapter on the chosen layers over a base that lost it",
-    "data": "its data-driven initialisation runs on the wrapped model, and FoRA rebuilds the adapter on the chosen "
-    "layers afterwards",
-    "frozen": "it freezes lora_B, which FoRA trains",
-}
-
-
-def check_init_lora_weights(
-    value: Any, fora: FoRAConfig, name: str = "LoraConfig.init_lora_weights", mode_name: str = "mode"
-) -> None:
-    """Refuse a LoRA initialisation FoRA cannot rebuild on the chosen layers (see ``BASE_PRESERVING_INITS``).
-
-    Call it before the model is wrapped: once PiSSA-like inits have run, the base weights are already changed.
-    """
-    if fora.mode == "lora" or any(
-        value is ok or (isinstance(value, str) and value == ok) for ok in BASE_PRESERVING_INITS
-    ):
-        return
-    kind = _BASE_CHANGING_INITS.get(value.split("_niter_")[0] if isinstance(value, str) else None)
-    reason = _INIT_REASONS[kind] if kind else "it is not one of PEFT 0.21's initialisations FoRA knows"
-    raise ValueError(
-        f"{name}={value!r} cannot be combined with {mode_name}={fora.mode!r}: {reason}. Use one of "
-        f"{BASE_PRESERVING_INITS} (they leave the base weights untouched), or {mode_name}='lora' for {value!r} on "
-        "every layer."
-    )
-
-
-def check_learning_rate(value: Any, name: str = "learning_rate") -> None:
-    """Refuse a learning rate that is not a finite number >= 0: a NaN or inf rate turns every adapter weight NaN."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name}={value!r} is invalid: use a finite float >= 0 (the paper uses 2e-4).")
-
-
 def check_checkpoint_files(checkpoint: str | os.PathLike) -> None:
     """Refuse to resume from a checkpoint whose saved optimizer/scheduler/Cayley state is cut short or corrupt.
 
@@ -504,7 +492,7 @@ def check_checkpoint_files(checkpoint: str | os.PathLike) -> None:
         except (zipfile.BadZipFile, OSError, EOFError) as err:
             problem = f"{type(err).__name__}: {err}"
         if problem is not None:
-            raise ValueError(
+            raise FoRAInputError(
                 f"Cannot resume from {checkpoint}: {path} is truncated or corrupt ({problem}), probably a save cut "
                 "short by a crash or a full disk. Resume from an earlier checkpoint (resume_from_checkpoint=<its "
                 "folder>, after deleting this one), or start a new run in an empty output_dir."
@@ -512,22 +500,19 @@ def check_checkpoint_files(checkpoint: str | os.PathLike) -> None:
 
 
 def _check_lora_config(config: LoraConfig, fora: FoRAConfig) -> None:
-    if config.layers_to_transform is not None or config.layers_pattern is not None:
-        raise ValueError(
-            f"LoraConfig.layers_to_transform={config.layers_to_transform!r} / layers_pattern="
-            f"{config.layers_pattern!r} are set, but FoRA chooses the layers: unset them and use FoRAConfig("
-            "layers=[...]) for a fixed set."
-        )
+    check_layers_unset(
+        {
+            "LoraConfig.layers_to_transform": config.layers_to_transform,
+            "LoraConfig.layers_pattern": config.layers_pattern,
+        },
+        "unset them and use FoRAConfig(layers=[...]) for a fixed set.",
+    )
     if config.target_modules is None or config.target_modules == "all-linear":
-        raise ValueError(
+        raise FoRAInputError(
             f"LoraConfig.target_modules={config.target_modules!r}: name the target linears explicitly, e.g. "
             "['q_proj', 'k_proj', 'v_proj', 'up_proj', 'down_proj'] (the paper's five)."
         )
-    if fora.uses_stiefel and config.use_dora:
-        raise ValueError(
-            f"LoraConfig.use_dora=True cannot be combined with mode={fora.mode!r}: DoRA's magnitude "
-            "rescales lora_B's columns. Use use_dora=False, or mode='fg-lora'."
-        )
+    check_dora(config.use_dora, fora, "LoraConfig.use_dora", "mode", "Use use_dora=False, or mode='fg-lora'.")
     check_init_lora_weights(config.init_lora_weights, fora)
 
 
@@ -535,14 +520,3 @@ def _target_names(config: LoraConfig | None) -> list[str] | None:
     if config is None or isinstance(config.target_modules, str):
         return None
     return list(config.target_modules)
-
-
-def _resolve_checkpoint(value: str | bool | None, output_dir: str) -> str | None:
-    if value in (None, False, "", "false", "False"):
-        return None
-    if value in (True, "true", "True"):
-        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-        if last is None:
-            raise ValueError(f"resume_from_checkpoint=True but {output_dir} holds no checkpoint.")
-        return last
-    return str(value)

@@ -7,6 +7,8 @@ reaches a user is a bug of ours: a check belongs here.
 
 The numeric rules are one table, :data:`NUMBER_RULES`, that ``fora train``/``score``/``ablate`` (SFTConfig and
 ModelConfig keys), ``fora eval``/``report`` flags and ``ablation.eval`` read.
+
+May import: errors.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import difflib
 import json
 import math
 import os
-import re
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -24,6 +25,53 @@ from pathlib import Path
 from typing import Any
 
 from .errors import FoRAInputError, refuse
+
+
+__all__ = [
+    "ABLATION_EVAL_KEYS",
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "AXOLOTL_KEYS",
+    "LORA_KEYS",
+    "NUMBER_KEYS_OF_A_CONFIG",
+    "NUMBER_RULES",
+    "RESUME_LAST",
+    "RESUME_OFF",
+    "SHAPE_KEYS",
+    "TRAINER_STATE",
+    "TRAINING_KEYS",
+    "WEIGHT_FILES",
+    "Rule",
+    "check_ablation_block",
+    "check_adapter_folder",
+    "check_checkpoint",
+    "check_choice",
+    "check_completions",
+    "check_eval_arguments",
+    "check_file",
+    "check_float",
+    "check_int",
+    "check_json_rows_file",
+    "check_known_keys",
+    "check_lora_arguments",
+    "check_model_config",
+    "check_model_folder",
+    "check_nonblank_text",
+    "check_number",
+    "check_numbers",
+    "check_output_folder",
+    "check_selection_matches_adapter",
+    "check_text_file",
+    "check_training_arguments",
+    "is_integer",
+    "is_real",
+    "json_error_position",
+    "meta_model",
+    "read_json",
+    "resolve_checkpoint",
+    "resumes",
+    "suggestion",
+]
 
 
 # Files that make a folder a model: transformers' weight files, single or sharded.
@@ -68,6 +116,25 @@ def _int_at_least(minimum: int, accepted: str = "", fix: str = "", optional: boo
 def _below_one(accepted: str) -> Rule:
     """A probability or decay rate in [0, 1)."""
     return Rule(lambda v: is_real(v) and 0 <= v < 1, accepted)
+
+
+def check_choice(key: str, value: Any, choices: tuple) -> None:
+    """Refuse ``value`` unless it is one of ``choices``."""
+    if value not in choices:
+        raise FoRAInputError(f"{key}={value!r} is invalid: use one of {choices}.")
+
+
+def check_float(key: str, value: Any, in_range: Callable[[float], bool], accepted: str) -> None:
+    """Refuse ``value`` unless it is a finite real number (not a bool) for which ``in_range`` holds."""
+    # NaN and inf are refused before the range check: NaN passes every `<` test and trains a NaN adapter.
+    if not (is_real(value) and in_range(value)):
+        refuse(key, value, f"use {accepted}")
+
+
+def check_int(key: str, value: Any, minimum: int, hint: str) -> None:
+    """Refuse ``value`` unless it is an int (not a bool) >= ``minimum``; ``hint`` says what the number means."""
+    if not (is_integer(value) and value >= minimum):
+        refuse(key, value, f"use an int >= {minimum} ({hint})")
 
 
 # key -> Rule. Keys are as the user writes them: SFTConfig/ModelConfig keys, `fora eval`/`fora report` flags (with
@@ -244,146 +311,13 @@ def check_known_keys(given: Iterable[str], known: Iterable[str], where: str, wha
     unknown = [k for k in given if k not in known]
     if unknown:
         hints = "".join(suggestion(k, known).replace("Did you mean", f"For {k}, did you mean") for k in unknown)
-        raise ValueError(f"{where} has unknown {what} {unknown}: they are none of {known_as}.{hints}")
+        raise FoRAInputError(f"{where} has unknown {what} {unknown}: they are none of {known_as}.{hints}")
 
 
-# A target name PEFT matches as a name (by suffix) when it is given in a list; as a lone string it is a regex.
-_PLAIN_NAME = re.compile(r"[A-Za-z_][\w.-]*")
-
-
-def target_names(value: Any) -> Any:
-    """LoRA target names in the form PEFT reads as names: one plain name given alone (``--lora_target_modules
-    q_proj`` on the command line, or TRL's ModelConfig, which turns a one-item list into its item) becomes a list.
-
-    As a string PEFT would take it for a regex that must match a module's whole qualified name, which a leaf name
-    never does, so the adapter would match nothing. ``all-linear``, a regex and a list are returned as they are.
-    """
-    if isinstance(value, str) and value != "all-linear" and _PLAIN_NAME.fullmatch(value):
-        return [value]
-    return value
-
-
-def check_target_modules(
-    model: Any, targets: Any, *, trust_remote_code: bool = False, key: str, model_key: str = "model_name_or_path"
-) -> None:
-    """Refuse LoRA target module names that ``model`` (a local model folder, or a transformers config) lacks;
-    ``model_key`` names the model's setting when its config.json cannot be read.
-
-    The model is built on the meta device from its config (no weights are read), before PEFT wraps it. A name
-    matches as PEFT matches it: the module's full name, or its last components after a dot; on a model whose MoE
-    experts are fused, the names PEFT converts to the fused parameters (``gate_proj`` + ``up_proj`` ->
-    ``gate_up_proj``) count, in complete groups. The message names the model's linear module names and suggests a
-    list.
-    """
-    if isinstance(targets, str) and "," in targets:
-        targets = [targets]  # one YAML string "q_proj,v_proj": PEFT would read it as a regex matching nothing
-    targets = target_names(targets)
-    if targets is None or isinstance(targets, str) or not _has_config(model):
-        return  # None / "all-linear" / a regex: PEFT's own rules; a hub name: not checkable offline
-    joined = [t for t in targets if isinstance(t, str) and ("," in t or " " in t.strip())]
-    if joined:
-        parts = [p for t in targets for p in t.replace(",", " ").split()]
-        refuse(
-            key,
-            targets if len(targets) > 1 else targets[0],
-            f"{joined[0]!r} is one name holding several (separated by commas or spaces), and no module is called that",
-            f"Give a list: `{key}: [{', '.join(parts)}]` in the YAML, or `--{key} {' '.join(parts)}` on the command "
-            "line.",
-        )
-    meta = _meta_model(model, trust_remote_code, model_key)
-    names, linear, in_layers = _module_names(meta)
-    absent = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
-    fused = _fused_expert_names(meta)
-    _check_fused_groups(targets, fused, key, meta)
-    absent = [t for t in absent if t not in fused]
-    if absent:
-        leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})
-        # Suggested: the decoder layers' linears (FoRA adapts decoder layers; lm_head is rarely a LoRA target).
-        suggested = sorted({n.rsplit(".", 1)[-1] for n in in_layers}) or leaves
-        hints = "".join(suggestion(t, leaves).replace("Did you mean", f"For {t!r}, did you mean") for t in absent)
-        refuse(
-            key,
-            list(targets),
-            f"the model has no module named {absent} (its linear modules are {leaves})",
-            f"Use some of those, e.g. {key}: [{', '.join(suggested)}].{hints}",
-        )
-
-
-def _fused_expert_names(model: Any) -> dict[str, tuple[str, list[str]]]:
-    """For a model whose MoE experts PEFT converts (transformers 5 fused them): each pre-fusion target name ->
-    (the fused parameter it is part of, every name fused into that parameter). Empty for other models."""
-    try:  # PEFT's own tables of the conversion it makes in get_peft_model (absent from older releases)
-        from peft.utils.transformers_weight_conversion import (
-            _MODEL_TO_CONVERSION_PATTERN,
-            _MOE_FUSED_TARGETS,
-            _MOE_TARGET_MODULE_MAPPING,
-        )
-    except ImportError:
-        return {}
-    kind = _MODEL_TO_CONVERSION_PATTERN.get(getattr(model.config, "model_type", None))
-    mapping = _MOE_TARGET_MODULE_MAPPING.get(kind) or {}
-    fused = _MOE_FUSED_TARGETS.get(kind) or {}
-    leaves = {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.dim() >= 3}
-    return {
-        old: (new, list(fused.get(new, [old])))
-        for old, new in mapping.items()
-        if new in leaves  # a name the router keeps (gate -> gate.weight) is a module, not a fused expert
-    }
-
-
-def _check_fused_groups(targets: list[str], fused: dict[str, tuple[str, list[str]]], key: str, model: Any) -> None:
-    """Refuse a part of a fused expert parameter without the rest (``up_proj`` without ``gate_proj``): one fused
-    matrix cannot be adapted in part. PEFT would stop with "fused into gate_up_proj"; say how to target it."""
-    leaves = {t.rsplit(".", 1)[-1] for t in targets}
-    for name in sorted(leaves & set(fused)):
-        parameter, group = fused[name]
-        missing = [g for g in group if g not in leaves]
-        if not missing:
-            continue
-        within = sorted(
-            {n.split(".layers.")[-1].split(".", 1)[-1] for n, p in model.named_parameters() if p.dim() >= 3}
-        )
-        others = [t for t in targets if t.rsplit(".", 1)[-1] not in fused]
-        refuse(
-            key,
-            list(targets),
-            f"this model's MoE experts are fused: {' and '.join(group)} are one parameter, {parameter}, so {name} "
-            f"cannot be adapted without {', '.join(missing)}",
-            f"Target the fused experts with lora_target_parameters: [{', '.join(within)}]"
-            + (f" and {key}: [{', '.join(others)}]" if others else "")
-            + f", or add {', '.join(missing)} to {key} (PEFT then adapts {parameter} whole).",
-        )
-
-
-def check_target_parameters(
-    model: Any, targets: Any, *, trust_remote_code: bool = False, key: str, model_key: str = "model_name_or_path"
-) -> None:
-    """Refuse LoRA target parameter names (fused MoE experts) that ``model`` (a local model folder, or a transformers
-    config) does not have."""
-    targets = target_names(targets)
-    if not targets or isinstance(targets, str) or not _has_config(model):
-        return
-    parameters = dict(_meta_model(model, trust_remote_code, model_key).named_parameters())
-    absent = [t for t in targets if not any(n == t or n.endswith("." + t) for n in parameters)]
-    if absent:
-        # The 3-D parameters are the fused experts that target_parameters is for, named here within their layer.
-        fused = sorted({n.split(".layers.")[-1].split(".", 1)[-1] for n, p in parameters.items() if p.dim() >= 3})
-        refuse(
-            key,
-            list(targets),
-            f"the model has no parameter named {absent} (its fused expert parameters are {fused or 'none'})",
-            "Use names like those, or target_modules for linear layers.",
-        )
-
-
-def _has_config(model: Any) -> bool:
-    """Whether ``model`` can be built here: a config object, or a local folder holding config.json."""
-    return not isinstance(model, (str, os.PathLike)) or Path(model, "config.json").is_file()
-
-
-def _meta_model(model: Any, trust_remote_code: bool, key: str):
+def meta_model(model: Any, trust_remote_code: bool = False, key: str = "model_name_or_path", dtype: Any = None):
     """The model of ``model`` (a local folder or a transformers config) built on the meta device: its structure, no
-    weights read. A folder whose config.json transformers cannot read is refused as ``key``."""
+    weights read; ``dtype``: its parameters' dtype (default: the config's). A folder whose config.json transformers
+    cannot read is refused as ``key``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_utils import set_zero3_state
@@ -404,17 +338,9 @@ def _meta_model(model: Any, trust_remote_code: bool, key: str):
     # process group (not joined yet when the names are checked) and ignores the meta device; set_zero3_state is
     # transformers' own "zero.Init is already active" flag, so the model is built as it is without ZeRO-3.
     with torch.device("meta"), set_zero3_state():
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-
-
-def _module_names(model: Any) -> tuple[list[str], list[str], list[str]]:
-    """(every module name, the linear-like module names, those inside the decoder layers) of ``model``."""
-    from .fisher import find_decoder_layers, is_linear_like
-
-    modules = dict(model.named_modules())
-    linear = [n for n, m in modules.items() if n and is_linear_like(m)]
-    prefix, _ = find_decoder_layers(model)
-    return list(modules), linear, [n for n in linear if n.startswith(prefix + ".")]
+        if dtype is None:
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
 
 
 # ------------------------------------------------------------------------------------------------------- paths
@@ -426,7 +352,7 @@ def check_output_folder(path: str | os.PathLike, key: str) -> None:
     """
     folder = Path(path).expanduser()
     if folder.exists() and not folder.is_dir():
-        raise ValueError(
+        raise FoRAInputError(
             f"{key}={str(path)!r} is a file, not a folder: the outputs (adapter, checkpoints, fora_scores.json, "
             "results) go into a folder. Give a new or existing folder's path."
         )
@@ -546,6 +472,35 @@ def _listing(folder: Path, limit: int = 8) -> str:
     return ", ".join(names[:limit]) + (f", ... ({len(names)} entries)" if len(names) > limit else "")
 
 
+# ``resume_from_checkpoint`` values that mean "start afresh" and "the last checkpoint in output_dir": YAML and the
+# command line give strings, Python gives bools.
+RESUME_OFF = (None, False, "", "false", "False")
+RESUME_LAST = (True, "true", "True")
+
+
+def resumes(value: Any) -> bool:
+    """Whether a ``resume_from_checkpoint`` value asks to resume (the last checkpoint, or a given folder)."""
+    return value not in RESUME_OFF
+
+
+def resolve_checkpoint(value: Any, output_dir: str, key: str = "resume_from_checkpoint") -> str | None:
+    """The checkpoint folder a ``resume_from_checkpoint`` value names: None to start afresh, the last checkpoint-N of
+    ``output_dir`` for ``true`` (refused when there is none), else the value as a path."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if not resumes(value):
+        return None
+    if value not in RESUME_LAST:
+        return str(value)
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if last is None:
+        raise FoRAInputError(
+            f"{key}=True but output_dir {output_dir} holds no checkpoint (no checkpoint-N folder) to resume: "
+            "drop resume_from_checkpoint to start a new run, or give a checkpoint folder's path."
+        )
+    return last
+
+
 def check_checkpoint(value: Any, output_dir: str, key: str = "resume_from_checkpoint") -> None:
     """Refuse a ``resume_from_checkpoint`` that is not a checkpoint folder (one holding ``trainer_state.json``).
 
@@ -554,14 +509,10 @@ def check_checkpoint(value: Any, output_dir: str, key: str = "resume_from_checkp
     """
     from transformers.trainer_utils import get_last_checkpoint
 
-    if value in (None, False, "", "false", "False"):
+    if value in RESUME_LAST:
+        resolve_checkpoint(value, output_dir, key)
         return
-    if value in (True, "true", "True"):
-        if not (os.path.isdir(output_dir) and get_last_checkpoint(output_dir)):
-            raise ValueError(
-                f"{key}=True but output_dir {output_dir} holds no checkpoint (no checkpoint-N folder) to resume: "
-                "drop resume_from_checkpoint to start a new run, or give a checkpoint folder's path."
-            )
+    if not resumes(value):
         return
     folder = Path(str(value)).expanduser()
     if not folder.is_dir():
@@ -647,12 +598,12 @@ def check_selection_matches_adapter(selection_file: str | os.PathLike, adapted_l
         saved = json.loads(file.read_text(encoding="utf-8"))
         chosen = sorted(saved["chosen_layers"])
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
-        raise ValueError(
+        raise FoRAInputError(
             f"{file} is not a FoRA selection ({type(error).__name__}: {error}): remove it, or run `fora score` to "
             "write it again."
         ) from None
     if chosen != sorted(adapted_layers):
-        raise ValueError(
+        raise FoRAInputError(
             f"{file} says layers {chosen} were chosen, but the adapter in {file.parent} is on layers "
             f"{sorted(adapted_layers)}: the selection files belong to another run. Remove {file.name} and "
             f"{file.with_suffix('.png').name} there (or run `fora score` with this run's config to write them again)."
@@ -776,7 +727,7 @@ def check_ablation_block(block: Mapping[str, Any], config: str, runs: tuple[str,
             )
         unknown = [r for r in given if r not in runs]
         if unknown:
-            raise ValueError(f"ablation runs {unknown} are unknown; use some of {list(runs)}.")
+            raise FoRAInputError(f"ablation runs {unknown} are unknown; use some of {list(runs)}.")
         twice = sorted({r for r in given if given.count(r) > 1})
         if twice:
             refuse(

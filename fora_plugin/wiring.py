@@ -8,6 +8,8 @@
 4. :func:`write_selection`: ``fora_scores.json``, ``fora_scores.png`` and the printed table;
    :class:`SaveSelectionCallback` puts the json in every checkpoint, so a resume adapts the same layers.
 5. :class:`FoRALogs`: what FoRA adds to every training log.
+
+May import: adapter, config, diagnostics, errors, fisher, fsdp, plots, selection, stiefel, targets, validation, zero.
 """
 
 from __future__ import annotations
@@ -30,13 +32,32 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .adapter import expert_blocks, make_stiefel, stiefel_num_experts, stiefel_parameters
 from .config import FoRAConfig
 from .diagnostics import largest_drift, read_adapter_diagnostics
-from .fisher import FisherScores, find_decoder_layers, is_linear_like
+from .errors import FoRAInputError
+from .fisher import FisherScores
 from .fsdp import gathered_adapters
 from .plots import plot_fisher_scores
 from .selection import check_layer_indices, resolve_layer_budget, select_layers
 from .stiefel import orthogonality_error
+from .targets import find_decoder_layers, is_linear_like, layer_index, matches_target
 from .validation import read_json
 from .zero import Zero3FoRAOptimizer, find_zero_client, gathered_trainable_parameters
+
+
+__all__ = [
+    "SCORES_FILE",
+    "SCORES_PLOT",
+    "FoRALogs",
+    "FoRASelection",
+    "SaveSelectionCallback",
+    "active_lora_config",
+    "checkpoint_folder",
+    "choose_layers",
+    "format_selection_table",
+    "init_fora_adapters",
+    "readapt_lora",
+    "restrict_lora_config",
+    "write_selection",
+]
 
 
 logger = logging.getLogger(__name__)
@@ -95,7 +116,7 @@ class FoRASelection:
         if path.is_dir():
             path = path / SCORES_FILE
         if not path.is_file():
-            raise ValueError(f"No FoRA selection at {path}: expected the {SCORES_FILE} an earlier run wrote.")
+            raise FoRAInputError(f"No FoRA selection at {path}: expected the {SCORES_FILE} an earlier run wrote.")
         return read_json(path)  # names the file, line and column of a malformed one
 
 
@@ -121,7 +142,7 @@ def choose_layers(
     if fora.layers is not None:
         chosen = check_layer_indices(fora.layers, num_layers)
         if saved is not None and saved["chosen_layers"] != chosen:
-            raise ValueError(
+            raise FoRAInputError(
                 f"FoRAConfig.layers={chosen} differ from the layers {saved['chosen_layers']} that checkpoint "
                 f"{checkpoint} was trained on, and a resumed run keeps its layers: set layers="
                 f"{saved['chosen_layers']} or leave layers unset to resume, or start a new run (no "
@@ -147,7 +168,7 @@ def choose_layers(
         saved = FoRASelection.read(fora.scores_path)
         if saved.get("scores") is None or len(saved["scores"]) != num_layers:
             held = "no scores" if saved.get("scores") is None else f"scores for {len(saved['scores'])} layers"
-            raise ValueError(
+            raise FoRAInputError(
                 f"scores_path={fora.scores_path!r} holds {held}, but this model has {num_layers} decoder layers: "
                 "give the fora_scores.json of a run on this model, or leave scores_path unset to score again."
             )
@@ -165,7 +186,7 @@ def choose_layers(
 def _checkpoint_selection(checkpoint: str, num_layers: int) -> dict[str, Any]:
     saved = FoRASelection.read(checkpoint)
     if saved["num_layers"] != num_layers:
-        raise ValueError(
+        raise FoRAInputError(
             f"The checkpoint's selection is for {saved['num_layers']} layers, this model has "
             f"{num_layers}: resume with the same model."
         )
@@ -223,12 +244,12 @@ def init_fora_adapters(model: nn.Module, selection: FoRASelection, fora: FoRACon
     names = {id(p): n for n, p in model.named_parameters()}
     for param in model.parameters():
         if param.requires_grad:
-            index = _layer_index(names[id(param)], selection.layer_prefix)
+            index = layer_index(names[id(param)], selection.layer_prefix)
             if index is not None:
                 selection.trainable_parameters[index] = selection.trainable_parameters.get(index, 0)
                 selection.trainable_parameters[index] += param.numel()
     if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("After the FoRA wrap nothing is trainable: check target_modules and the chosen layers.")
+        raise FoRAInputError("After the FoRA wrap nothing is trainable: check target_modules and the chosen layers.")
 
 
 def readapt_lora(
@@ -260,17 +281,8 @@ def readapt_lora(
 def active_lora_config(model: PeftModel) -> LoraConfig:
     """The LoraConfig of ``model``'s one active adapter."""
     if len(model.active_adapters) != 1:
-        raise ValueError(f"FoRA trains one LoRA adapter; the model has active adapters {model.active_adapters}.")
+        raise FoRAInputError(f"FoRA trains one LoRA adapter; the model has active adapters {model.active_adapters}.")
     return model.peft_config[model.active_adapters[0]]
-
-
-def _layer_index(name: str, prefix: str) -> int | None:
-    marker = f"{prefix}."
-    at = name.find(marker)
-    if at < 0:
-        return None
-    head = name[at + len(marker) :].split(".", 1)[0]
-    return int(head) if head.isdigit() else None
 
 
 def _matching_modules(model: nn.Module, config: LoraConfig, prefix: str, index: int) -> list[str]:
@@ -291,9 +303,7 @@ def _matching_parameters(model: nn.Module, config: LoraConfig, prefix: str, inde
     targets = config.target_parameters or []
     layer_prefix = f"{prefix}.{index}."
     return [
-        name
-        for name, _ in model.named_parameters()
-        if name.startswith(layer_prefix) and any(name == t or name.endswith("." + t) for t in targets)
+        name for name, _ in model.named_parameters() if name.startswith(layer_prefix) and matches_target(name, targets)
     ]
 
 
@@ -303,11 +313,11 @@ def _restrict_modules_to_save(entries: list[str], model: nn.Module, prefix: str,
     restricted = []
     for entry in entries:
         matched = [name for name in names if name.endswith(entry)]
-        in_layers = [name for name in matched if _layer_index(name, prefix) is not None]
+        in_layers = [name for name in matched if layer_index(name, prefix) is not None]
         if not in_layers:
             restricted.append(entry)  # lm_head, embed_tokens: outside the layers, as the user wrote it
             continue
-        restricted += [name for name in matched if name not in in_layers or _layer_index(name, prefix) in chosen]
+        restricted += [name for name in matched if name not in in_layers or layer_index(name, prefix) in chosen]
     return list(dict.fromkeys(restricted))
 
 
@@ -316,7 +326,7 @@ def _check_targets_present(
 ) -> None:
     empty = [i for i in chosen if not per_layer[i] and not per_layer_params[i]]
     if empty:
-        raise ValueError(
+        raise FoRAInputError(
             f"LoraConfig.target_modules={config.target_modules!r} / target_parameters={config.target_parameters!r} "
             f"match no linear (nn.Linear, Conv1D or a quantized linear) and no parameter in the chosen layers "
             f"{empty}: use module or parameter names of the model's decoder layers."
@@ -327,10 +337,10 @@ def _check_targets_present(
         if not targets or isinstance(targets, str):
             continue
         found = [name for i in chosen for name in found_per_layer[i]]
-        absent = [t for t in targets if not any(name == t or name.endswith("." + t) for name in found)]
+        absent = [t for t in targets if not any(matches_target(name, [t]) for name in found)]
         if absent:
             example = found[:5] or [name for i in chosen for name in per_layer[i] + per_layer_params[i]][:5]
-            raise ValueError(
+            raise FoRAInputError(
                 f"{field_name.replace('_', ' ')} {absent} are absent from the chosen layers {chosen} (their "
                 f"targets are named like {example}): fix LoraConfig.{field_name}."
             )

@@ -39,10 +39,10 @@ def declared() -> dict[str, tuple[str, SpecifierSet]]:
 
 
 def readme_table() -> dict[str, dict[str, str]]:
-    """The README's "Tested versions" table: package -> its cells by column header."""
-    text = (ROOT / "README.md").read_text()
+    """The "Tested versions" table of docs/testing.md: package -> its cells by column header."""
+    text = (ROOT / "docs" / "testing.md").read_text()
     section = re.search(r"^### Tested versions\n(.*?)(?=^#)", text, re.M | re.S)
-    assert section, "README.md has no '### Tested versions' section"
+    assert section, "docs/testing.md has no '### Tested versions' section"
     rows = [
         [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
         for line in section.group(1).splitlines()

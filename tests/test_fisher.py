@@ -306,7 +306,7 @@ def test_a_scoring_run_makes_one_host_sync(linear_grad, checkpointing):
     # Scores accumulate on the device; the totals and the batch count are read back once, after the last batch (a
     # read per batch or per layer would stall a GPU's launch queue). Budget: what the model's own training forward
     # and backward make per batch (transformers' packed-sequence check in train mode: 1), plus one per run.
-    from fora_plugin.host_sync import HostSyncCounter
+    from host_sync import HostSyncCounter
 
     model = tiny_llama().train()
     if checkpointing is not None:

@@ -409,7 +409,7 @@ def test_axolotl_fsdp2_config_scores_only_weights_every_rank_loaded():
 
 
 def counted_sharded_step(model, optimizer, before_step=lambda: None):
-    from fora_plugin.host_sync import HostSyncCounter
+    from host_sync import HostSyncCounter
 
     ids = torch.arange(10)[None] % 7
     model(input_ids=ids, labels=ids).loss.backward()

@@ -1,7 +1,6 @@
 import pytest
 import torch
-
-from fora_plugin.host_sync import HostSyncCounter
+from host_sync import HostSyncCounter
 
 
 @pytest.mark.parametrize(

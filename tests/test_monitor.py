@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from conftest import tiny_llama
+from host_sync import HostSyncCounter
 from peft import LoraConfig, get_peft_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -17,7 +18,6 @@ from fora_plugin.diagnostics import (
     lora_pairs,
     mean_effective_rank,
 )
-from fora_plugin.host_sync import HostSyncCounter
 from fora_plugin.monitor import DivergenceMonitor, stiefel_counters
 from fora_plugin.stiefel import orthogonality_error, random_stiefel
 from fora_plugin.wiring import FoRALogs, FoRASelection

@@ -537,7 +537,7 @@ def test_a_truncated_last_judgment_is_dropped_and_asked_again(tmp_path):
     path = tmp_path / "j_single.jsonl"
     good = {"question_id": 1, "model": "m", "judge": ["j", "single-v1"], "turn": 1, "user_prompt": "p", "score": 3}
     path.write_text(json.dumps(good) + "\n" + '{"question_id": 2, "mod')
-    store = mt_bench.JudgmentFile(path, mt_bench._single_key)
+    store = mt_bench.JudgmentFile(path, mt_bench.SINGLE_GRADING.key)
     assert list(store.records.values()) == [good]
     assert path.read_text() == json.dumps(good) + "\n"
 

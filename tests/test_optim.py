@@ -3,14 +3,13 @@
 import contextlib
 import copy
 import io
-from unittest import mock
 
 import pytest
 import torch
 from dense_reference import dense_cayley_adam
 
 from fora_plugin import CayleyAdam, FoRAOptimizer
-from fora_plugin import optim as optim_module
+from fora_plugin.optim import resolve_implementation
 from fora_plugin.stiefel import orthogonality_error, qr_retraction, random_stiefel
 
 
@@ -258,6 +257,7 @@ def test_construction_refuses_what_cannot_be_stiefel():
         ({"qr_period": 2.5}, r"qr_period=2.5"),
         ({"cayley_solver": "newton"}, r"cayley_solver='newton'.*'exact', 'fixed_point'"),
         ({"cayley_iters": 0}, r"cayley_iters=0"),
+        ({"implementation": "fused"}, r"implementation='fused' is invalid: use one of \('per_matrix', 'staged'\)"),
     ],
 )
 def test_bad_hyperparameters_are_refused_by_name(kwargs, message):
@@ -564,9 +564,62 @@ class ForeachCopies(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_the_step_stages_its_copies_on_an_accelerator_and_not_on_the_cpu():
-    assert optim_module._copies_through_stage(torch.device("cuda"))
-    assert optim_module._copies_through_stage(torch.device("meta"))
-    assert not optim_module._copies_through_stage(torch.device("cpu"))
+    assert resolve_implementation(None, torch.device("cuda")) == "staged"
+    assert resolve_implementation(None, torch.device("meta")) == "staged"
+    assert resolve_implementation(None, torch.device("cpu")) == "per_matrix"
+    # A named implementation is taken as given, on any device.
+    assert resolve_implementation("staged", torch.device("cpu")) == "staged"
+    assert resolve_implementation("per_matrix", torch.device("cuda")) == "per_matrix"
+
+
+@pytest.mark.parametrize("implementation", ["per_matrix", "staged"])
+def test_the_functional_step_is_the_optimizers_step(implementation):
+    """cayley_adam() on the state's own tensors, as torch's adam() on Adam's: the same bits as CayleyAdam.step."""
+    from fora_plugin.optim.cayley_adam import cayley_adam
+
+    gen = torch.Generator().manual_seed(62)
+    params = stiefel_params([(24, 4), (24, 4), (12, 2)], seed=63) + stiefel_params([(24, 4)], dtype=torch.bfloat16)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = CayleyAdam(params, lr=0.02, qr_period=2)
+    holder = CayleyAdam(twins, lr=0.02)  # makes the state the functional step then moves
+    constants = {}
+    for step in range(4):
+        set_random_grads(params, gen)
+        for p, q in zip(params, twins):
+            q.grad = p.grad.clone()
+        opt.step()
+        if step == 0:
+            holder.step()  # the state made, and a first step taken as the class takes it
+            continue
+        states = [holder.state[q] for q in twins]
+        lists = [
+            [s[key] for s in states] for key in ("exp_avg", "exp_avg_sq", "step", "skipped_steps", "reprojections")
+        ]
+        with torch.no_grad():  # as the class steps: in place on leaf parameters
+            cayley_adam(
+                twins,
+                [q.grad for q in twins],
+                *lists,
+                [s.get("master") for s in states],
+                lr=0.02,
+                beta1=0.9,
+                beta2=0.99,
+                eps=1e-8,
+                reproject_all=(step + 1) % 2 == 0,
+                implementation=implementation,
+                constants=constants,
+            )
+        for p, q in zip(params, twins):
+            assert torch.equal(p, q)
+            for key, value in opt.state[p].items():
+                assert torch.equal(value, holder.state[q][key]), key
+
+
+def copies_forced(opt, staged):
+    """``opt`` set to copy through the dense stage (``staged``) or matrix by matrix, whatever the device."""
+    for group in opt.param_groups:
+        group["implementation"] = "staged" if staged else "per_matrix"
+    return opt
 
 
 @pytest.mark.parametrize("staged", [True, False])
@@ -592,10 +645,8 @@ def test_the_copies_in_and_out_are_a_few_multi_tensor_kernels_whatever_the_numbe
         set_random_grads(params, gen)
         opt.step()  # the state is made
         set_random_grads(params, gen)
-        with (
-            mock.patch.object(optim_module, "_copies_through_stage", lambda device: staged),
-            ForeachCopies() as copies,
-        ):
+        copies_forced(opt, staged)
+        with ForeachCopies() as copies:
             opt.step()
         return copies, params, opt
 
@@ -609,10 +660,8 @@ def test_the_copies_in_and_out_are_a_few_multi_tensor_kernels_whatever_the_numbe
     other.load_state_dict(copy.deepcopy(opt.state_dict()))
     for p, q in zip(params, twins):
         q.grad = p.grad.clone()
-    with mock.patch.object(optim_module, "_copies_through_stage", lambda device: not staged):
-        other.step()
-    with mock.patch.object(optim_module, "_copies_through_stage", lambda device: staged):
-        opt.step()
+    copies_forced(other, not staged).step()
+    copies_forced(opt, staged).step()
     for p, q in zip(params, twins):
         torch.testing.assert_close(q, p, rtol=0, atol=0)
 
@@ -704,7 +753,7 @@ def new_stepped(kind):
 
 @pytest.mark.parametrize("kind", ["cayley", "fora", "bf16", "experts"])
 def test_steps_make_no_host_sync_first_later_skipped_or_reprojected(kind):
-    from fora_plugin.host_sync import HostSyncCounter
+    from host_sync import HostSyncCounter
 
     opt, params, set_grads = new_stepped(kind)
     set_grads()

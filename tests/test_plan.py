@@ -17,6 +17,7 @@ try:
 except ImportError:
     add_fused_lm_head = None
 
+from fora_plugin import cli as cli_module
 from fora_plugin import plan as plan_module
 from fora_plugin.cli import main
 from fora_plugin.memory import LiveTensorTracker, flop_formulas
@@ -30,6 +31,7 @@ from fora_plugin.plan import (
     run_plan,
     truncated_config,
 )
+from fora_plugin.plan import depth as depth_module
 
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
@@ -247,7 +249,7 @@ def _counts(result) -> dict:
 def test_depth_extrapolation_gives_the_counts_of_running_every_layer(tmp_path, monkeypatch, keys, gpus):
     """10 layers, fora on every 2nd: run at depths 2, 4, 6 (or, where layer 0's first period differs in its transient
     peak, one period later: 4, 6, 8) and extrapolated to 10, against all 10 layers run."""
-    monkeypatch.setattr(plan_module, "_saves_time", lambda depths, num_layers: True)
+    monkeypatch.setattr(depth_module, "_saves_time", lambda depths, num_layers: True)
     model_dir = tmp_path / "model"
     tiny_config(10).save_pretrained(model_dir)
     if keys.get("deepspeed") == "zero3":
@@ -268,7 +270,7 @@ def test_a_stack_that_does_not_repeat_runs_every_layer(tmp_path):
     model_dir = tmp_path / "model"
     tiny_config(16).save_pretrained(model_dir)
     setup = plan_setup(write_config(tmp_path, fora_layers=list(range(8, 16))), [])
-    base = plan_module._meta_model(setup)
+    base = plan_module.meta_model_of(setup)
     assert plan_module.extrapolation_depths(base, plan_module.planned_layers(setup, 16)) is None
     # Every 2nd layer repeats with period 2; 2 + 4 + 6 = 12 layers run instead of 16.
     setup = plan_setup(write_config(tmp_path, fora_layers=list(range(0, 16, 2))), [])
@@ -283,31 +285,31 @@ def test_gemma3_layer_pattern_sets_the_period_and_truncation_keeps_it(monkeypatc
     assert setup_config.num_hidden_layers == 18  # the original is untouched
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(setup_config)
-    signatures = plan_module._layer_signatures(model, planned=list(range(0, 18, 2)))
+    signatures = depth_module._layer_signatures(model, planned=list(range(0, 18, 2)))
     assert signatures[:6] == signatures[6:12] == signatures[12:]
     # (sliding, adapted), (sliding, not) and the 6th layer's full attention (not adapted).
     assert len(set(signatures[:6])) == 3 and signatures[5] != signatures[3]
     planned = list(range(0, 18, 2))
     assert plan_module.extrapolation_depths(model, planned) is None  # 6 + 12 + 18 layers: slower than 18
-    monkeypatch.setattr(plan_module, "_saves_time", lambda depths, num_layers: True)
+    monkeypatch.setattr(depth_module, "_saves_time", lambda depths, num_layers: True)
     assert plan_module.extrapolation_depths(model, planned) == (6, 12, 18)
 
 
 def test_counts_off_a_line_are_named_and_the_plan_runs_every_layer(tmp_path, monkeypatch):
     a, b = plan_module.Phase({"activations": 10}, 100, 5), plan_module.Phase({"activations": 20}, 200, 10)
-    on_line = plan_module._extrapolate(
+    on_line = depth_module._extrapolate(
         [{"k": [a]}, {"k": [b]}, {"k": [plan_module.Phase({"activations": 30}, 300, 15)]}], (2, 4, 6), 32
     )
     assert on_line["k"][0] == plan_module.Phase({"activations": 160}, 1600, 80)
-    off = plan_module._extrapolate(
+    off = depth_module._extrapolate(
         [{"k": [a]}, {"k": [b]}, {"k": [plan_module.Phase({"activations": 31}, 300, 15)]}], (2, 4, 6), 32
     )
     assert off == "k: activations bytes at (2, 4, 6) layers is [10, 20, 31], not on a line"
     falling = [{"k": [plan_module.Phase({"activations": b}, 100, 5)]} for b in (30, 20, 10)]
-    assert "falls below 0 at 32" in plan_module._extrapolate(falling, (2, 4, 6), 32)
+    assert "falls below 0 at 32" in depth_module._extrapolate(falling, (2, 4, 6), 32)
 
-    monkeypatch.setattr(plan_module, "_saves_time", lambda depths, num_layers: True)
-    monkeypatch.setattr(plan_module, "_extrapolate", lambda runs, depths, num_layers: "scoring: FLOPs off")
+    monkeypatch.setattr(depth_module, "_saves_time", lambda depths, num_layers: True)
+    monkeypatch.setattr(depth_module, "_extrapolate", lambda runs, depths, num_layers: "scoring: FLOPs off")
     tiny_config(6).save_pretrained(tmp_path / "model")
     result = run_plan(plan_setup(write_config(tmp_path), []), modes=("lora",))
     assert result["depths"] == [6]
@@ -367,10 +369,10 @@ def test_fsdp2_peaks_at_the_first_all_gather_when_the_rest_of_the_step_holds_les
     setup = plan_setup(write_config(tmp_path, dtype="bfloat16"), fsdp, gpus=8)
     gathered = (40, 30, 100)  # a decoder layer, the head, the root
     counts = {"weights": 800, "lora_grads": 8, "optimizer_states": 16, "transient": 5}
-    small, _ = plan_module._shard(setup, Phase(peak={**counts, "activations": 10}, flops=0), False, gathered)
+    small, _ = plan_module.shard_phase(setup, Phase(peak={**counts, "activations": 10}, flops=0), False, gathered)
     assert small.peak == {"weights": 100, "optimizer_states": 2, "transient": 280}
     # With activations that outweigh it, the step's own moment stays: + two layers and the root as transient.
-    large, _ = plan_module._shard(setup, Phase(peak={**counts, "activations": 1000}, flops=0), False, gathered)
+    large, _ = plan_module.shard_phase(setup, Phase(peak={**counts, "activations": 1000}, flops=0), False, gathered)
     expected = {"weights": 100, "lora_grads": 1, "optimizer_states": 2, "transient": 185, "activations": 1000}
     assert large.peak == expected
 
@@ -382,7 +384,7 @@ def test_full_depth_flag_reaches_the_plan(tmp_path, monkeypatch, capsys):
         seen.update(kwargs)
         return "planned", {"output_dir": str(tmp_path)}
 
-    monkeypatch.setattr(plan_module, "plan", fake_plan)
+    monkeypatch.setattr(cli_module, "plan", fake_plan)  # cli imports `plan` at its top
     config = write_config(tmp_path)
     assert main(["plan", config, "--full-depth"]) == 0 and seen["full_depth"] is True
     assert main(["plan", config]) == 0 and seen["full_depth"] is False
@@ -390,7 +392,7 @@ def test_full_depth_flag_reaches_the_plan(tmp_path, monkeypatch, capsys):
 
 def test_lora_targets_reaching_some_layers_break_the_repeat(tmp_path, monkeypatch):
     """Full module names put LoRA on layers 0-3 of 8 only: the layers differ, and all of them run."""
-    monkeypatch.setattr(plan_module, "_saves_time", lambda depths, num_layers: True)
+    monkeypatch.setattr(depth_module, "_saves_time", lambda depths, num_layers: True)
     tiny_config(8).save_pretrained(tmp_path / "model")
     targets = [f"model.layers.{i}.self_attn.q_proj" for i in range(4)]
     setup = plan_setup(write_config(tmp_path, lora_target_modules=targets), [])
@@ -400,7 +402,7 @@ def test_lora_targets_reaching_some_layers_break_the_repeat(tmp_path, monkeypatc
 
 
 def test_bad_layers_and_modes_are_refused_before_planning(tmp_path, monkeypatch):
-    monkeypatch.setattr(plan_module, "_saves_time", lambda depths, num_layers: True)
+    monkeypatch.setattr(depth_module, "_saves_time", lambda depths, num_layers: True)
     tiny_config(8).save_pretrained(tmp_path / "model")
     # Layer 8 of 8 does not exist, though the depths run (2, 4, 6) never reach it.
     setup = plan_setup(write_config(tmp_path, fora_layers=[0, 2, 4, 6, 8]), [])
@@ -476,7 +478,7 @@ def test_the_plan_runs_trls_fused_head_as_on_cuda():
     from trl.kernels import chunked_logprob
 
     own = chunked_logprob._addmm_fp32, chunked_logprob._forward_tile, chunked_logprob._backward_tile
-    with plan_module._fused_lm_head_as_on_cuda(), FakeTensorMode():
+    with plan_module.fused_lm_head_as_on_cuda(), FakeTensorMode():
         acc = torch.zeros(6, 5)
         a, b = torch.zeros(6, 7, dtype=torch.bfloat16), torch.zeros(7, 5, dtype=torch.bfloat16)
         tile = torch.zeros(6, 5, dtype=torch.bfloat16)

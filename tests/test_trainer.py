@@ -18,6 +18,7 @@ import fora_plugin.trainer as trainer_module
 from fora_plugin import FoRAConfig, FoRASFTTrainer, stiefel_parameters
 from fora_plugin.fisher import fisher_scores
 from fora_plugin.stiefel import orthogonality_error
+from fora_plugin.wiring import format_selection_table
 
 
 VOCAB = 99  # the character tokenizer's size
@@ -99,7 +100,7 @@ def test_selection_json_plot_and_table(trained, capsys):
     assert saved["chosen_layers"] == trainer.fora_selection.chosen and saved["k"] == 2
     assert saved["scores"] == trainer.fora_selection.scores.scores and saved["num_batches"] == 3
     assert (tmp_path / "out" / "fora_scores.png").read_bytes()[:4] == b"\x89PNG"
-    table = trainer_module.format_selection_table(trainer.fora_selection)
+    table = format_selection_table(trainer.fora_selection)
     assert "| layer | Fisher score | trainable params |" in table
     for i in trainer.fora_selection.chosen:
         assert f"| {i} | " in table

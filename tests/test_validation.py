@@ -10,6 +10,7 @@ import re
 import pytest
 from conftest import EXPERT_PARAMETERS, TARGETS, char_tokenizer, tiny_llama, tiny_moe
 
+from fora_plugin.targets import check_target_modules, check_target_parameters, target_names
 from fora_plugin.validation import (
     NUMBER_RULES,
     check_adapter_folder,
@@ -20,10 +21,7 @@ from fora_plugin.validation import (
     check_number,
     check_output_folder,
     check_selection_matches_adapter,
-    check_target_modules,
-    check_target_parameters,
     json_error_position,
-    target_names,
 )
 
 

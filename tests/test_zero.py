@@ -454,7 +454,7 @@ class NormSource:
 
 
 def counted_zero_step(model, optimizer, source, before_step=lambda: None):
-    from fora_plugin.host_sync import HostSyncCounter
+    from host_sync import HostSyncCounter
 
     ids = torch.arange(10)[None] % 7
     model(input_ids=ids, labels=ids).loss.backward()
@@ -772,11 +772,11 @@ def test_every_supported_scheduler_moves_the_zero_clients_stiefel_lr_with_lora_a
         assert len({a for a, _ in rates}) > 1  # the schedule did act
 
 
-# ------------------------------------------------------------------------------- the README's ZeRO-3 CLI launch
+# ----------------------------------------------------------------------- docs/distributed.md's ZeRO-3 CLI launch
 @pytest.fixture(scope="module")
 def zero3_cli_run(tmp_path_factory):
     """``torchrun --nproc_per_node 2 -m fora_plugin.cli train example_configs/quickstart.yaml --model_name_or_path
-    <tiny Llama> --deepspeed example_configs/deepspeed/zero3.json``, as the README gives it, 2 steps."""
+    <tiny Llama> --deepspeed example_configs/deepspeed/zero3.json``, as docs/distributed.md gives it, 2 steps."""
     pytest.importorskip("deepspeed")
     root = tmp_path_factory.mktemp("zero3_cli")
     tiny_llama(4, vocab_size=99).save_pretrained(root / "model")

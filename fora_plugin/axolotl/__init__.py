@@ -22,6 +22,8 @@ point name) cannot load, and the run stops with one line that names ``fora_plugi
 
 Every step is a function that ``FoRASFTTrainer`` calls too (:mod:`fora_plugin.wiring`, :mod:`fora_plugin.trainer`),
 so both give the same layers, adapters, optimizer, logs and ``fora_scores.json``/``.png``.
+
+May import: axolotl.args, config, errors, models, trainer, wiring.
 """
 
 import functools
@@ -35,20 +37,11 @@ from axolotl.utils.train import determine_last_checkpoint
 from peft import PeftModel
 from transformers import Trainer
 
-from ..backward import stop_backward_at_lowest_adapted_layer
 from ..config import PREFIX, FoRAConfig
-from ..fsdp import prepare_fsdp2
+from ..errors import FoRAInputTypeError
 from ..models import resolve_model_path
-from ..monitor import DivergenceMonitor
-from ..trainer import check_checkpoint_files, fora_optimizer, prepare_deepspeed, score_on_trainer
-from ..wiring import (
-    FoRALogs,
-    SaveSelectionCallback,
-    active_lora_config,
-    choose_layers,
-    format_selection_table,
-    readapt_lora,
-)
+from ..trainer import check_checkpoint_files, fora_optimizer, prepare_fora_training, score_on_trainer
+from ..wiring import FoRALogs, active_lora_config
 from .args import LORA_KERNELS, PLUGIN_NAME, FoRAArgs, fora_config_from, fora_enabled
 
 
@@ -92,41 +85,30 @@ class FoRAPlugin(BasePlugin):
             return
         model = trainer.model
         if not isinstance(model, PeftModel):
-            raise TypeError(
+            raise FoRAInputTypeError(
                 f"FoRA expected Axolotl's trainer to hold the LoRA PeftModel (adapter: lora), but it holds a "
                 f"{type(model).__name__}."
             )
         config = active_lora_config(model)
-        seed = fora.seed if fora.seed is not None else trainer.args.seed
         checkpoint = determine_last_checkpoint(cfg)  # what Axolotl resumes from: its selection is reused
         if checkpoint is not None:
             check_checkpoint_files(checkpoint)
-        # Under DeepSpeed ZeRO-1/2: DeepSpeed's clipping off (FoRA's optimizer clips) and the Stiefel-state callback.
-        prepare_deepspeed(trainer, fora, lambda: checkpoint)
-        if cfg.get("fsdp_config"):  # FSDP2 (Axolotl 0.21 has no other): row-sharded lora_B, see fora_plugin/fsdp.py
-            prepare_fsdp2(trainer, fora)
-        selection = choose_layers(
-            model.get_base_model(),
-            fora,
-            seed=seed,
-            checkpoint=checkpoint,
-            score=lambda: score_on_trainer(trainer, model, fora, config),  # adapters disabled: the base is scored
-        )
-        autocast = cfg.peft_autocast_adapter_dtype if cfg.peft_autocast_adapter_dtype is not None else True
-        readapt_lora(model, selection, fora, seed, autocast_adapter_dtype=autocast)
-        # The backward stops at the lowest adapted layer, also with checkpointing (Axolotl adds the embeddings hook
-        # TRL does). Its offloading checkpoints ("offload", "offload_disk") replace torch's checkpoint with
-        # reentrant autograd Functions, whatever gradient_checkpointing_kwargs say.
+        # Axolotl's offloading checkpoints ("offload", "offload_disk") replace torch's checkpoint with reentrant
+        # autograd Functions, whatever gradient_checkpointing_kwargs say.
         offloading = isinstance(cfg.gradient_checkpointing, str)
-        stop_backward_at_lowest_adapted_layer(trainer, reentrant=True if offloading else None)
-
-        if trainer.is_world_process_zero():
-            # The files follow when training ends (SaveSelectionCallback): a failed run leaves output_dir as it was.
-            print(format_selection_table(selection))
-        trainer.add_callback(SaveSelectionCallback(selection))
-        trainer.add_callback(DivergenceMonitor())
+        autocast = cfg.peft_autocast_adapter_dtype if cfg.peft_autocast_adapter_dtype is not None else True
+        training = prepare_fora_training(
+            trainer,
+            fora,
+            score=lambda: score_on_trainer(trainer, model, fora, config),  # adapters disabled: the base is scored
+            checkpoint=checkpoint,
+            resume_checkpoint=lambda: checkpoint,
+            fsdp2=bool(cfg.get("fsdp_config")),  # Axolotl 0.21 runs FSDP2 only: row-sharded lora_B (fsdp.py)
+            autocast_adapter_dtype=autocast,
+            reentrant=True if offloading else None,
+        )
         _use_fora_optimizer(trainer, fora)
-        _add_fora_logs(trainer, FoRALogs(selection))
+        _add_fora_logs(trainer, training.logs)
 
 
 def _use_fora_optimizer(trainer: Trainer, fora: FoRAConfig) -> None:

@@ -3,6 +3,8 @@
 `FoRAArgs` joins Axolotl's config schema (``get_input_args``). Its validator builds a `FoRAConfig`, so the values are
 checked by the same code as ``FoRASFTTrainer``'s, and, when the YAML enables the plugin, refuses the Axolotl settings
 FoRA cannot be right with yet.
+
+May import: compatibility, config, errors, fsdp, optim, targets, validation, zero.
 """
 
 import dataclasses
@@ -14,12 +16,23 @@ from typing import Any
 from axolotl.integrations.base import normalize_plugin_name
 from pydantic import BaseModel, Field, create_model, model_validator
 
+from ..compatibility import (
+    check_dora,
+    check_init_lora_weights,
+    check_layers_unset,
+    check_learning_rate,
+    check_optimizer,
+)
 from ..config import PREFIX, FoRAConfig
+from ..errors import FoRAInputError
 from ..fsdp import check_weights_on_every_rank
 from ..optim import check_lr_scheduler_type
-from ..trainer import ADAMW_OPTIMS, check_init_lora_weights, check_learning_rate
-from ..validation import AXOLOTL_KEYS, check_file, check_numbers, check_output_folder, check_target_modules
+from ..targets import check_target_modules
+from ..validation import AXOLOTL_KEYS, check_file, check_numbers, check_output_folder
 from ..zero import check_deepspeed_config, load_deepspeed_config
+
+
+__all__ = ["LORA_KERNELS", "PLUGIN_NAME", "FoRAArgs", "fora_config_from", "fora_enabled"]
 
 
 PLUGIN_NAME = "fora_plugin.axolotl.FoRAPlugin"
@@ -41,7 +54,7 @@ def fora_config_from(cfg: Mapping[str, Any]) -> FoRAConfig:
     try:
         return FoRAConfig(**values)
     except ValueError as err:
-        raise ValueError(_FIELD_NAMES.sub(rf"{PREFIX}\1", str(err))) from None
+        raise FoRAInputError(_FIELD_NAMES.sub(rf"{PREFIX}\1", str(err))) from None
 
 
 class _FoRAChecks(BaseModel):
@@ -75,7 +88,7 @@ def _check_user_input(cfg: dict[str, Any], fora: FoRAConfig) -> None:
 def _check_axolotl_settings(cfg: dict[str, Any], fora: FoRAConfig) -> None:
     adapter = cfg.get("adapter")
     if adapter not in ("lora", "qlora"):
-        raise ValueError(
+        raise FoRAInputError(
             f"adapter={adapter!r} cannot be combined with fora_mode={fora.mode!r}: FoRA trains LoRA adapters on the "
             "layers it chooses. Set adapter: lora, or adapter: qlora with load_in_4bit: true (QFoRA), or "
             "fora_mode: lora for Axolotl's own training."
@@ -95,43 +108,38 @@ def _check_axolotl_settings(cfg: dict[str, Any], fora: FoRAConfig) -> None:
         check_init_lora_weights(init, fora, name="peft_init_lora_weights", mode_name=f"{PREFIX}mode")
     kernels = [name for name in LORA_KERNELS if cfg.get(name)]
     if kernels:
-        raise ValueError(
+        raise FoRAInputError(
             f"{', '.join(f'{name}=True' for name in kernels)} cannot be combined with FoRA: Axolotl's fused LoRA "
             "kernels compute no gradient for the base weights, which FoRA's Fisher score sums. Set them to false "
             "(the plugin turns them off when they are unset)."
         )
-    layers = {k: cfg.get(k) for k in ("peft_layers_to_transform", "peft_layers_pattern") if cfg.get(k) is not None}
-    if layers:
-        raise ValueError(
-            f"{', '.join(f'{k}={v!r}' for k, v in layers.items())} is set, but FoRA chooses the layers: remove it, "
-            "and use fora_layers: [...] for a fixed set."
-        )
-    if fora.uses_stiefel and cfg.get("peft_use_dora"):
-        raise ValueError(
-            f"peft_use_dora=True cannot be combined with fora_mode={fora.mode!r}: DoRA's magnitude rescales "
-            "lora_B's columns, which must stay orthonormal. Set peft_use_dora: false, or fora_mode: fg-lora."
-        )
+    check_layers_unset(
+        {key: cfg.get(key) for key in ("peft_layers_to_transform", "peft_layers_pattern")},
+        "remove it, and use fora_layers: [...] for a fixed set.",
+    )
+    check_dora(
+        cfg.get("peft_use_dora"),
+        fora,
+        "peft_use_dora",
+        "fora_mode",
+        "Set peft_use_dora: false, or fora_mode: fg-lora.",
+    )
     if cfg.get("lora_model_dir"):
-        raise ValueError(
+        raise FoRAInputError(
             f"lora_model_dir={cfg['lora_model_dir']!r} loads a trained adapter, but FoRA builds its adapter on the "
             "layers it chooses. To continue a FoRA run, resume from its checkpoint (resume_from_checkpoint or "
             "auto_resume_from_checkpoints); to train on top of an adapter, merge it into the base model first."
         )
     if cfg.get("rl") or cfg.get("relora"):
-        raise ValueError(
+        raise FoRAInputError(
             f"rl={cfg.get('rl')!r} / relora={cfg.get('relora')!r}: the FoRA plugin supports supervised fine-tuning "
             "only for now. Remove rl/relora, or use fora_mode: lora."
         )
-    optimizer = getattr(cfg.get("optimizer"), "value", cfg.get("optimizer"))
-    if optimizer not in ADAMW_OPTIMS:
-        raise ValueError(
-            f"optimizer={optimizer!r} cannot be combined with FoRA, whose optimizer is AdamW on lora_A plus "
-            f"Cayley-Adam on lora_B: use optimizer in {ADAMW_OPTIMS}."
-        )
+    check_optimizer(cfg.get("optimizer"), "optimizer")
     regrouped = {k: cfg.get(k) for k in ("loraplus_lr_ratio", "lr_groups", "embedding_lr", "embedding_lr_scale")}
     regrouped = {k: v for k, v in regrouped.items() if v is not None}
     if regrouped:
-        raise ValueError(
+        raise FoRAInputError(
             f"{', '.join(f'{k}={v!r}' for k, v in regrouped.items())}: these regroup the optimizer's parameters, "
             "and FoRA's optimizer has its own groups (lora_A at learning_rate, lora_B at fora_lr_stiefel). "
             "Remove them."

@@ -100,7 +100,7 @@ def full_lora(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def counting_host_syncs(optimizer: torch.optim.Optimizer) -> list[int]:
     """Count the host syncs of every call of ``optimizer.step`` (DeepSpeed calls it once per sub-group)."""
-    from fora_plugin.host_sync import HostSyncCounter
+    from host_sync import HostSyncCounter
 
     counts = []
     step = optimizer.step
@@ -189,7 +189,7 @@ def score_zero3() -> dict:
     import torch.distributed as dist
 
     from fora_plugin import fisher_scores
-    from fora_plugin.zero import zero3_scoring_engine
+    from fora_plugin.zero import gathered_parameters, zero3_scoring_engine
 
     deepspeed.init_distributed()
     config = deepspeed_config()
@@ -213,6 +213,7 @@ def score_zero3() -> dict:
             loss_fn=loss_fn,
             **SCORE_SCOPE,
             linear_grad="activations",
+            gather=gathered_parameters,
             progress=False,
         )
     return {

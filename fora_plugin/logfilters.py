@@ -3,12 +3,16 @@
 Each is dropped by its exact text on its own logger only; every other message of those loggers still shows. The
 bitsandbytes one is logged while PEFT imports bitsandbytes, which ``import fora_plugin`` does: the package imports
 this module first, so its filter is in place before that.
+
+May import: nothing of fora_plugin.
 """
 
 from __future__ import annotations
 
 import logging
 
+
+__all__ = ["BNB_KERNEL_LOGGER", "BNB_KERNEL_MESSAGE", "DropMessage", "drop"]
 
 # bitsandbytes' optional CPU kernel package (`kernels`), which FoRA does not need.
 BNB_KERNEL_LOGGER = "bitsandbytes.backends.cpu.ops"

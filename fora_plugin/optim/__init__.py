@@ -1,0 +1,42 @@
+"""FoRA's optimizers, in the form of ``torch.optim``: Cayley-Adam on the Stiefel manifold for ``lora_B``
+(:mod:`.cayley_adam`: the functional step ``cayley_adam`` and the class :class:`CayleyAdam`) and the one optimizer a
+trainer sees, AdamW groups and Cayley-Adam groups over one ``param_groups`` (:mod:`.fora_optimizer`).
+
+The functional step is imported from its module, ``from fora_plugin.optim.cayley_adam import cayley_adam``, as torch's
+``from torch.optim.adam import adam``: re-exported here, its name would hide the module.
+
+May import: adapter, errors, stiefel, validation.
+"""
+
+from .cayley_adam import (
+    IMPLEMENTATIONS,
+    REPROJECT_THRESHOLD,
+    CayleyAdam,
+    init_cayley_adam_state,
+    resolve_implementation,
+    stiefel_step_with_gradients,
+)
+from .fora_optimizer import (
+    UNSUPPORTED_LR_SCHEDULERS,
+    FoRAOptimizer,
+    build_fora_optimizer,
+    check_lr_scheduler_type,
+    fora_optimizer_parts,
+    wrapped_optimizers,
+)
+
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "REPROJECT_THRESHOLD",
+    "UNSUPPORTED_LR_SCHEDULERS",
+    "CayleyAdam",
+    "FoRAOptimizer",
+    "build_fora_optimizer",
+    "check_lr_scheduler_type",
+    "fora_optimizer_parts",
+    "init_cayley_adam_state",
+    "resolve_implementation",
+    "stiefel_step_with_gradients",
+    "wrapped_optimizers",
+]

@@ -1,0 +1,92 @@
+"""Kernels as the GPU a plan is for runs them, not as fake tensors on this host would: stand-ins for TRL's fused LM
+head's CPU fallback and for the meta kernel of MoE experts' grouped matmul, and the errors of a fake read-back.
+
+May import: nothing of fora_plugin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+from unittest import mock
+
+import torch
+from torch._subclasses import fake_impls
+from torch._subclasses.fake_tensor import DataDependentOutputException
+
+
+__all__ = ["FAKE_READBACK_ERRORS", "fused_lm_head_as_on_cuda", "grouped_mm_in_any_dtype"]
+
+
+def _fake_readback_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [DataDependentOutputException]
+    with contextlib.suppress(ImportError):  # torch versions that have it raise it for .item() under a ShapeEnv
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+        errors.append(GuardOnDataDependentSymNode)
+    return tuple(errors)
+
+
+# What reading a fake tensor's value back to the host raises (fake tensors hold no values).
+FAKE_READBACK_ERRORS = _fake_readback_errors()
+
+
+@contextlib.contextmanager
+def fused_lm_head_as_on_cuda():
+    """TRL's fused LM head (SFTTrainer's loss) as it runs on the GPU the plan is for, not on the host it runs on.
+
+    On CUDA it folds each (tokens, vocabulary chunk) tile of logits into the loss's running statistics, forward and
+    backward, by a Triton kernel, which allocates nothing, and accumulates the gradient products in fp32 by
+    ``addmm(out_dtype=float32)``. Without Triton and CUDA (this host) it folds with torch ops that make several fp32
+    copies of the tile, and casts both factors of each product to fp32: 3.5 and 0.9 GiB at 4,080 tokens, a 32,768-word
+    chunk and a 3,072 hidden size, absent on the GPU (its allocator's trace at the peak, issue 26). So the plan runs
+    the GPU's case: a fold that allocates nothing (fake tensors hold no values to fold) and the fp32-output product;
+    the tile, the statistics and the accumulators are TRL's own tensors and counted.
+    """
+    try:
+        from trl.kernels import chunked_logprob
+    except ImportError:  # a TRL without the fused head: the loss builds the logits, counted as they are
+        yield
+        return
+
+    def fold_in_place(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        if a.dtype in (torch.float16, torch.bfloat16):
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        else:
+            acc.addmm_(a, b)
+
+    stand_ins = {"_forward_tile": fold_in_place, "_backward_tile": fold_in_place, "_addmm_fp32": addmm_fp32}
+    with contextlib.ExitStack() as stack:
+        for name, stand_in in stand_ins.items():
+            if hasattr(chunked_logprob, name):
+                stack.enter_context(mock.patch.object(chunked_logprob, name, stand_in))
+        yield
+
+
+@contextlib.contextmanager
+def grouped_mm_in_any_dtype():
+    """Fake tensors run MoE experts' ``torch._grouped_mm`` in float32 and float16 as in bfloat16.
+
+    Its meta kernel (what fake tensors run) has only the CUDA fast path's bfloat16 check, while the kernels that the
+    run itself calls (on the CPU, and CUDA's fallback) take every float dtype: a float32 MoE plan would stop on
+    "Expected inputs of BF16 type". The shapes are checked by the meta kernel on bfloat16 stand-ins, and the output
+    is made in the inputs' dtype; both happen inside the fake mode's dispatch, below the tracker, which sees the one
+    output alone.
+    """
+    grouped_mm = torch.ops.aten._grouped_mm.default
+
+    def impl(fake_mode, func, mat_a, mat_b, *args, out_dtype=None, **kwargs):
+        if mat_a.dtype == mat_b.dtype == torch.bfloat16:
+            return NotImplemented  # the meta kernel's own case
+        checked = func(mat_a.to(torch.bfloat16), mat_b.to(torch.bfloat16), *args, **kwargs)
+        return torch.empty_like(checked, dtype=out_dtype or mat_a.dtype)
+
+    entry = (lambda func: func is grouped_mm, impl)
+    fake_impls.op_implementations_checks.append(entry)
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_checks.remove(entry)

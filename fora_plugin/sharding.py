@@ -1,0 +1,104 @@
+"""What each engine shards of a FoRA run, across which ranks, and what it gathers while computing, as data.
+
+The rules of the engines FoRA runs under (plain DDP, DeepSpeed ZeRO-1/2/3 in :mod:`fora_plugin.zero`, torch FSDP2
+in :mod:`fora_plugin.fsdp`), kept beside them so that a change to an engine changes its rule here, in one place.
+``fora plan`` reads them to turn one unsharded GPU's memory into each rank's; nothing here computes.
+
+May import: nothing of fora_plugin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+
+
+__all__ = ["ENGINES", "GATHERED", "PARTS", "EngineSharding"]
+
+# The parts of a run's memory that the rules name (``fora plan`` breaks each peak into these).
+PARTS = MappingProxyType(
+    {
+        "weights": "the base model's weights and buffers",
+        "lora_params": "the LoRA parameters",
+        "lora_grads": "the LoRA gradients",
+        "optimizer_states": "the AdamW states",
+        "stiefel": "fora's Stiefel lora_B gradients and Cayley-Adam states",
+        "activations": "what the forward leaves for the backward",
+        "transient": "buffers that live during one operation",
+    }
+)
+# What an engine that shards the weights keeps gathered beside its decoder layers while computing.
+GATHERED = MappingProxyType(
+    {
+        "head": "the head",  # ZeRO-3 gathers the output head for the loss
+        "root": "the root (embeddings, norm, head)",  # FSDP2's root module: not resharded after its forward
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSharding:
+    """One engine's rule: which :data:`PARTS` each rank holds a 1/world-size shard of, and what it gathers whole.
+
+    Every engine here shards across all ranks of the one data-parallel group (FoRA runs no hybrid sharding), so a
+    shard is 1/world size of its part.
+    """
+
+    # Parts divided among the ranks during a training step (a tuple: the output names them in this order).
+    shards: tuple[str, ...] = ()
+    # Parts divided during Fisher scoring, which runs before the engine wraps the model (FSDP2) or inside it (ZeRO).
+    shards_scoring: tuple[str, ...] = ()
+    # Parts the engine keeps whole on every rank although it shards the rest of their kind (the Stiefel part: ZeRO
+    # steps each whole lora_B beside its partition).
+    whole: tuple[str, ...] = ()
+    gathered_layers: int = 0  # decoder layers gathered at once while computing: the current one and the prefetched
+    gathered_outside: str | None = None  # a key of GATHERED: what else stays gathered while computing
+    # Copies of (gathered_outside + one decoder layer) alive at each forward's start: FSDP2 all-gathers the root and
+    # prefetches the first layer, and copies both out of the all-gather buffers into the unsharded parameters while
+    # the buffers still live. 0: no such moment.
+    forward_start_copies: int = 0
+    # fisher_scores' linear_grad during scoring: a weight's gradient is a shard under ZeRO-3, so linears are scored
+    # from their inputs and output gradients.
+    scoring_linear_grad: str = "auto"
+
+    def __post_init__(self) -> None:
+        unknown = {*self.shards, *self.shards_scoring, *self.whole} - set(PARTS)
+        if unknown or (self.gathered_outside is not None and self.gathered_outside not in GATHERED):
+            raise ValueError(f"an engine rule names what PARTS and GATHERED do not: {self}")
+
+    @property
+    def shards_weights(self) -> bool:
+        """Whether a rank holds a shard of the base weights (ZeRO-3, FSDP2) rather than all of them."""
+        return "weights" in self.shards
+
+
+_ZERO_WHOLE = ("stiefel",)
+# Engine name (as ``fora plan`` names the run's engine) -> its rule.
+ENGINES: MappingProxyType[str, EngineSharding] = MappingProxyType(
+    {
+        "single": EngineSharding(),
+        "ddp": EngineSharding(),  # every rank holds everything
+        "zero1": EngineSharding(shards=("optimizer_states",), shards_scoring=("optimizer_states",), whole=_ZERO_WHOLE),
+        "zero2": EngineSharding(
+            shards=("optimizer_states", "lora_grads"),
+            shards_scoring=("optimizer_states", "lora_grads"),
+            whole=_ZERO_WHOLE,
+        ),
+        # Zero3FoRAOptimizer: every rank holds each whole fp32 lora_B and its Cayley state.
+        "zero3": EngineSharding(
+            shards=("weights", "lora_params", "optimizer_states", "lora_grads"),
+            shards_scoring=("weights", "lora_params", "optimizer_states", "lora_grads"),
+            whole=_ZERO_WHOLE,
+            gathered_layers=2,
+            gathered_outside="head",
+            scoring_linear_grad="activations",
+        ),
+        # fully_shard: lora_B and its Cayley state are row-sharded; scoring holds the whole model (before sharding).
+        "fsdp2": EngineSharding(
+            shards=("weights", "lora_params", "optimizer_states", "lora_grads", "stiefel"),
+            gathered_layers=2,
+            gathered_outside="root",
+            forward_start_copies=2,
+        ),
+    }
+)
