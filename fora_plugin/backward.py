@@ -1,30 +1,5 @@
-"""Where the backward stops: at the lowest adapted decoder layer, with activation checkpointing too.
-
-Nothing below the lowest decoder layer that holds a trainable parameter needs a gradient, so a backward can stop
-there, and with activation checkpointing no layer below needs its recompute. Plain autograd stops there by itself;
-checkpointing does not, because TRL's ``SFTTrainer``, Axolotl and ``Trainer.train`` (through
-``activation_checkpointing_enable``) all call ``enable_input_require_grads()``, which makes the embeddings' output
-require grad so that the backward, and every checkpointed layer's recompute, runs through all L layers.
-
-:func:`stop_backward_at_lowest_adapted_layer` undoes that for a trainer, through transformers' public API, and
-keeps it undone for every ``train()`` call (:class:`BackwardStopCallback`):
-
-- non-reentrant checkpointing: no input needs to require grad (the LoRA parameters inside each checkpointed layer
-  carry the graph), so the embeddings hook comes off (``disable_input_require_grads``, which removes the handles
-  ``enable_input_require_grads`` stored);
-- reentrant checkpointing (TRL forces it for PEFT + ZeRO-3): a layer's checkpoint builds a graph only when one of
-  its tensor inputs requires grad, so a forward pre-hook on the lowest adapted layer makes the hidden state entering
-  it require grad, and nothing below. transformers before 5.23 runs a layer's hooks inside its checkpoint, where they
-  cannot do that; there the lowest adapted layer runs without checkpointing instead (its ``gradient_checkpointing``
-  flag, the switch ``every_n_layers`` uses), which costs one layer's activations.
-
-A hook whose handle was lost (a second ``enable_input_require_grads`` overwrites the first one's handle, as
-Axolotl's loader does after enabling checkpointing) cannot be taken off through the API: the pre-hook then detaches
-the hidden state entering the lowest adapted layer, so the backward stops there all the same.
-
-A trainable parameter below the lowest adapted layer (``modules_to_save`` such as ``embed_tokens``, trainable
-tokens, prompt-tuning-like extras) needs the gradient to reach it: then nothing changes, with a warning naming it.
-Scoring is not affected: it runs before, with its own hook that makes every layer's gradient reach the embeddings.
+"""Where the backward stops: at the lowest adapted decoder layer, with activation checkpointing too. How and why:
+:func:`stop_backward_at_lowest_adapted_layer`.
 
 May import: targets.
 """
@@ -138,6 +113,10 @@ class BackwardStop:
     entering the layer require grad (a new leaf: the caller's tensor is left as it was). A hidden state that already
     requires grad (an input hook whose handle was lost, see :meth:`_pre_hook`) is detached there, since nothing
     below is trainable: the backward stops at the layer all the same.
+
+    A hook whose handle was lost (a second ``enable_input_require_grads`` overwrites the first one's handle, as
+    Axolotl's loader does after enabling checkpointing) cannot be taken off through the API: the pre-hook then detaches
+    the hidden state entering the lowest adapted layer, so the backward stops there all the same.
     """
 
     def __init__(self, model: nn.Module, index: int) -> None:
@@ -230,6 +209,28 @@ def stop_backward_at_lowest_adapted_layer(
 ) -> BackwardStop | None:
     """Make ``trainer``'s backward stop at the lowest adapted decoder layer of ``trainer.model``, now and at every
     ``train()``; None (and nothing changed) when a trainable parameter below that layer needs the gradient.
+
+    Nothing below the lowest decoder layer that holds a trainable parameter needs a gradient, so a backward can stop
+    there, and with activation checkpointing no layer below needs its recompute. Plain autograd stops there by itself;
+    checkpointing does not, because TRL's ``SFTTrainer``, Axolotl and ``Trainer.train`` (through
+    ``activation_checkpointing_enable``) all call ``enable_input_require_grads()``, which makes the embeddings' output
+    require grad so that the backward, and every checkpointed layer's recompute, runs through all L layers.
+
+    :func:`stop_backward_at_lowest_adapted_layer` undoes that for a trainer, through transformers' public API, and
+    keeps it undone for every ``train()`` call (:class:`BackwardStopCallback`):
+
+    - non-reentrant checkpointing: no input needs to require grad (the LoRA parameters inside each checkpointed layer
+      carry the graph), so the embeddings hook comes off (``disable_input_require_grads``, which removes the handles
+      ``enable_input_require_grads`` stored);
+    - reentrant checkpointing (TRL forces it for PEFT + ZeRO-3): a layer's checkpoint builds a graph only when one of
+      its tensor inputs requires grad, so a forward pre-hook on the lowest adapted layer makes the hidden state
+      entering it require grad, and nothing below. transformers before 5.23 runs a layer's hooks inside its checkpoint,
+      where they cannot do that; there the lowest adapted layer runs without checkpointing instead (its
+      ``gradient_checkpointing`` flag, the switch ``every_n_layers`` uses), which costs one layer's activations.
+
+    A trainable parameter below the lowest adapted layer (``modules_to_save`` such as ``embed_tokens``, trainable
+    tokens, prompt-tuning-like extras) needs the gradient to reach it: then nothing changes, with a warning naming it.
+    Scoring is not affected: it runs before, with its own hook that makes every layer's gradient reach the embeddings.
 
     ``reentrant``: whether the checkpoint function needs a tensor input that requires grad; None reads it from
     ``trainer.args`` (:func:`is_reentrant`). Pass True for a checkpoint function that replaces torch's (Axolotl's

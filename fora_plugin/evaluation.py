@@ -1,14 +1,5 @@
 """Evaluation for the paper's use: commonsense accuracy, WikiText-2 perplexity, MT-Bench answers.
 
-- Commonsense accuracy follows the LLM-Adapters protocol the paper uses: greedy generation after the Alpaca prompt,
-  the first answer word of the task's kind (``true``/``false``, ``answer1``..``answer5``, ``solution1/2``,
-  ``option1/2``, ``ending1..4``) read out of the generated text, case-sensitively as in that protocol, and compared
-  with the example's ``answer``.
-- Perplexity uses strided windows over the raw text: each token is predicted once, with up to ``max_length − stride``
-  tokens of context from the window before.
-- MT-Bench: two-turn answers with the model's chat template, written in FastChat's ``model_answer`` JSONL format, to
-  be judged by FastChat's ``gen_judgment`` (the judge needs the user's API key; nothing here calls an API).
-
 May import: data, errors.
 """
 
@@ -126,7 +117,13 @@ def commonsense_accuracy(
     batch_size: int = 8,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Accuracy of greedy answers on LLM-Adapters examples (``instruction`` and ``answer`` fields)."""
+    """Accuracy of greedy answers on LLM-Adapters examples (``instruction`` and ``answer`` fields).
+
+    Commonsense accuracy follows the LLM-Adapters protocol the paper uses: greedy generation after the Alpaca prompt,
+    the first answer word of the task's kind (``true``/``false``, ``answer1``..``answer5``, ``solution1/2``,
+    ``option1/2``, ``ending1..4``) read out of the generated text, case-sensitively as in that protocol, and compared
+    with the example's ``answer``.
+    """
     prompts = [commonsense_prompt(e["instruction"]) for e in examples]
     texts = generate(
         model,
@@ -165,7 +162,11 @@ def perplexity(
     name: str = "the text",
 ) -> dict[str, float]:
     """Perplexity exp(mean NLL) of ``text`` over strided windows; ``max_tokens`` caps the tokens scored. ``name``
-    says where the text comes from (a flag and its file), for the message when it is too short."""
+    says where the text comes from (a flag and its file), for the message when it is too short.
+
+    Perplexity uses strided windows over the raw text: each token is predicted once, with up to
+    ``max_length − stride`` tokens of context from the window before.
+    """
     if not 0 < stride <= max_length:
         raise FoRAInputError(f"stride={stride} must be in 1..max_length={max_length}.")
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
@@ -208,7 +209,11 @@ def mt_bench_answers(
     max_new_tokens: int = 1024,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """Two-turn answers to MT-Bench questions, as FastChat ``model_answer`` records."""
+    """Two-turn answers to MT-Bench questions, as FastChat ``model_answer`` records.
+
+    MT-Bench: two-turn answers with the model's chat template, written in FastChat's ``model_answer`` JSONL format,
+    to be judged by FastChat's ``gen_judgment`` (the judge needs the user's API key; nothing here calls an API).
+    """
     if getattr(tokenizer, "chat_template", None) is None:
         raise FoRAInputError(
             "MT-Bench needs a chat model: the tokenizer has no chat_template. Set one (e.g. from the "

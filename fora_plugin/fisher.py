@@ -1,18 +1,5 @@
 """Where to adapt: the per-layer empirical Fisher score of the paper's Eq. "fisher" (Algorithm 1, phase 1).
 
-F_ℓ = (1/N) Σ_n Σ_{θ in layer ℓ} ‖∇_θ L(x_n, y_n)‖², over the base (not adapter) parameters of decoder layer ℓ and N
-mini-batches of the task data under the task loss.
-
-Memory stays that of a training step: each base-weight gradient is squared and summed into its layer's total the
-moment autograd produces it, then freed (a post-accumulate-grad hook), so at most one weight gradient exists at a
-time. The totals stay on one device: one host sync per scoring run. A linear-like module whose weight cannot hold a
-gradient (bitsandbytes, GPTQ/AWQ/HQQ buffers, torchao tensor subclasses) is scored from its input x and output
-gradient g instead: ∇W = Σ_tokens g xᵀ, whose squared norm is also Σ (g gᵀ) ⊙ (x xᵀ), the cheaper form when there
-are fewer tokens than features. With ``linear_grad="activations"`` no parameter gradient is formed at all (sharded
-models): linears by x and g, every other parameter by a local re-run of its module (``watch_module``).
-
-Scoring runs in train mode with dropout off: with dropout the score would be a random sample, not the Fisher.
-
 May import: errors, targets, validation.
 """
 
@@ -417,6 +404,18 @@ def fisher_scores(
 ) -> FisherScores:
     """Score every decoder layer of ``model`` with the empirical Fisher over ``num_batches`` mini-batches.
 
+    F_ℓ = (1/N) Σ_n Σ_{θ in layer ℓ} ‖∇_θ L(x_n, y_n)‖², over the base (not adapter) parameters of decoder layer ℓ and
+    N mini-batches of the task data under the task loss.
+
+    Memory stays that of a training step: each base-weight gradient is squared and summed into its layer's total the
+    moment autograd produces it, then freed (a post-accumulate-grad hook), so at most one weight gradient exists at a
+    time. The totals stay on one device: one host sync per scoring run. A linear-like module whose weight cannot
+    hold a gradient (bitsandbytes, GPTQ/AWQ/HQQ buffers, torchao tensor subclasses) is scored from its input x and
+    output gradient g instead: ∇W = Σ_tokens g xᵀ, whose squared norm is also Σ (g gᵀ) ⊙ (x xᵀ), the cheaper form
+    when there are fewer tokens than features. With ``linear_grad="activations"`` no parameter gradient is formed at
+    all (sharded models): linears by x and g, every other parameter by a local re-run of its module
+    (``watch_module``).
+
     Args:
         model: a causal LM (a ``PeftModel`` is scored on its base parameters; adapter parameters never count).
         batches: mini-batches of the task data, e.g. a trainer's train dataloader. Under ``torch.distributed`` each
@@ -444,6 +443,8 @@ def fisher_scores(
     The model runs in train mode (so gradient checkpointing, if enabled, applies as in training) with every dropout
     off; requires_grad flags, modes and gradients are restored afterwards. Scores are summed on the device
     of the model's first parameter, also when the layers are spread over devices.
+
+    Scoring runs in train mode with dropout off: with dropout the score would be a random sample, not the Fisher.
     """
     check_int("fisher_batches", num_batches, 1, "the paper uses 128")
     check_choice("fisher_params", fisher_params, FISHER_PARAMS)

@@ -1,31 +1,5 @@
-"""FoRA under FSDP2 (``torch.distributed.fsdp.fully_shard``): row-sharded Stiefel ``lora_B``.
-
-FSDP2 makes every parameter a DTensor sharded by rows (``Shard(0)`` on a 1-D mesh): each rank holds a contiguous
-block of the rows of every ``lora_B`` (d_out, r), split as ``torch.chunk`` splits (uneven; a rank may hold none).
-Nothing is gathered for the Cayley step: it only needs the 2r x 2r Gram matrix of [B, m] and the scalar ‖G‖², both
-sums over rows, so each rank forms them on its own rows, one all-reduce per shape bucket gives every rank the same
-coefficients, and each rank updates its own rows (:class:`fora_plugin.optim.CayleyAdam` does this for DTensor
-parameters; its moments are DTensors with the parameter's placements). So:
-
-- the optimizer is FoRA's ordinary one. accelerate builds it before sharding and then points its ``param_groups`` at
-  the DTensors; nothing in it is keyed by a parameter seen at construction. :class:`FSDP2Callback` checks, when
-  training starts, that the optimizer steps the model's parameters, that they are sharded as the step expects, and
-  that every rank adapts the same layers.
-- checkpoints: accelerate saves the optimizer's sharded state dict through ``torch.distributed.checkpoint`` (the
-  Cayley moments are DTensors, the step counts replicated scalars) and loads it with its ``DefaultLoadPlanner``:
-  the Cayley state saves and resumes with the rest. When training ends the state dict type becomes
-  ``FULL_STATE_DICT``, so the adapter ``save_model`` writes is whole: plain PEFT LoRA.
-- Fisher scoring runs before sharding (the trainer's ``__init__``), on the model each rank holds, each rank on its
-  own batches; the per-layer sums are all-reduced, so every rank chooses the same layers. A model already sharded is
-  scored with ``fisher_scores(..., linear_grad="activations")``: linears from their inputs and output gradients,
-  norms by a local re-run, so no base-weight gradient is formed and nothing is gathered but what the forward gathers.
-- FSDP-QLoRA: a 4-bit base whose ``bnb_4bit_quant_storage`` is a float dtype is sharded like any weight.
-- FoRA's logs read whole matrices: :func:`gathered_adapters` gathers the LoRA weights for them.
-
-Refused, each with the setting and the fix: FSDP1 (its flat parameters cut across matrices), a 4-bit base with the
-default integer storage, scoring weights that are not loaded on every rank (``cpu_ram_efficient_loading``), an
-optimizer left on the unsharded parameters, trainable parameters partly unsharded, a ``lora_B`` not sharded by rows
-of a 1-D mesh, and ranks that chose different layers.
+"""FoRA under FSDP2 (``torch.distributed.fsdp.fully_shard``): row-sharded Stiefel ``lora_B``. How FoRA runs there,
+and what it refuses: :func:`prepare_fsdp2`.
 
 May import: config, errors, optim.
 """
@@ -148,6 +122,34 @@ def prepare_fsdp2(trainer: Trainer, fora: FoRAConfig) -> None:
     (``cpu_ram_efficient_loading`` leaves them on the meta device on every rank but the first) when the layers are to
     be scored. Puts the model on the trainer's device for scoring (FSDP2 shards it there; HF leaves it where it was
     loaded under FSDP), and adds the :class:`FSDP2Callback`.
+
+    FSDP2 makes every parameter a DTensor sharded by rows (``Shard(0)`` on a 1-D mesh): each rank holds a contiguous
+    block of the rows of every ``lora_B`` (d_out, r), split as ``torch.chunk`` splits (uneven; a rank may hold none).
+    Nothing is gathered for the Cayley step: it only needs the 2r x 2r Gram matrix of [B, m] and the scalar ‖G‖², both
+    sums over rows, so each rank forms them on its own rows, one all-reduce per shape bucket gives every rank the same
+    coefficients, and each rank updates its own rows (:class:`fora_plugin.optim.CayleyAdam` does this for DTensor
+    parameters; its moments are DTensors with the parameter's placements). So:
+
+    - the optimizer is FoRA's ordinary one. accelerate builds it before sharding and then points its ``param_groups``
+      at the DTensors; nothing in it is keyed by a parameter seen at construction. :class:`FSDP2Callback` checks, when
+      training starts, that the optimizer steps the model's parameters, that they are sharded as the step expects, and
+      that every rank adapts the same layers.
+    - checkpoints: accelerate saves the optimizer's sharded state dict through ``torch.distributed.checkpoint`` (the
+      Cayley moments are DTensors, the step counts replicated scalars) and loads it with its ``DefaultLoadPlanner``:
+      the Cayley state saves and resumes with the rest. When training ends the state dict type becomes
+      ``FULL_STATE_DICT``, so the adapter ``save_model`` writes is whole: plain PEFT LoRA.
+    - Fisher scoring runs before sharding (the trainer's ``__init__``), on the model each rank holds, each rank on its
+      own batches; the per-layer sums are all-reduced, so every rank chooses the same layers. A model already sharded
+      is scored with ``fisher_scores(..., linear_grad="activations")``: linears from their inputs and output gradients,
+      norms by a local re-run, so no base-weight gradient is formed and nothing is gathered but what the forward
+      gathers.
+    - FSDP-QLoRA: a 4-bit base whose ``bnb_4bit_quant_storage`` is a float dtype is sharded like any weight.
+    - FoRA's logs read whole matrices: :func:`gathered_adapters` gathers the LoRA weights for them.
+
+    Refused, each with the setting and the fix: FSDP1 (its flat parameters cut across matrices), a 4-bit base with the
+    default integer storage, scoring weights that are not loaded on every rank (``cpu_ram_efficient_loading``), an
+    optimizer left on the unsharded parameters, trainable parameters partly unsharded, a ``lora_B`` not sharded by rows
+    of a 1-D mesh, and ranks that chose different layers.
     """
     if fora.mode == "lora":
         return

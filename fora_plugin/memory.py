@@ -1,14 +1,5 @@
 """Live tensor memory, counted by storage: what a run holds at each moment and at its peak, whatever device it is on.
 
-:class:`LiveTensorTracker` is a dispatch mode that sees every tensor an operator returns. Each storage it has not
-seen yet is counted once (views share their base's storage) and uncounted when its Python storage object dies (a
-``weakref.finalize``): this is the memory a caching allocator holds for live tensors, without its fragmentation and
-rounding. It works the same on real CPU tensors (calibration), meta tensors and fake tensors (``fora plan``).
-
-The peak is kept as the set of storages live at that moment, so that it can be broken down afterwards by what each
-storage turned out to be (a weight, a gradient, an optimizer state, a saved activation). :func:`flop_formulas` gives
-FLOP formulas for the ops ``FlopCounterMode`` lacks. In the package only ``fora plan`` uses them (bench/ does too).
-
 May import: nothing of fora_plugin.
 """
 
@@ -60,6 +51,16 @@ def flop_formulas() -> dict:
 
 class LiveTensorTracker(TorchDispatchMode):
     """Counts the bytes of live tensor storages; ``peak`` and the storages live at the peak.
+
+    :class:`LiveTensorTracker` is a dispatch mode that sees every tensor an operator returns. Each storage it has not
+    seen yet is counted once (views share their base's storage) and uncounted when its Python storage object dies (a
+    ``weakref.finalize``): this is the memory a caching allocator holds for live tensors, without its fragmentation
+    and rounding. It works the same on real CPU tensors (calibration), meta tensors and fake tensors (``fora plan``).
+
+    The peak is kept as the set of storages live at that moment, so that it can be broken down afterwards by what
+    each storage turned out to be (a weight, a gradient, an optimizer state, a saved activation).
+    :func:`flop_formulas` gives FLOP formulas for the ops ``FlopCounterMode`` lacks. In the package only
+    ``fora plan`` uses them (bench/ does too).
 
     Storages created before the mode is entered (weights) are counted only if :meth:`register`-ed. Each storage gets
     a unique id (``uid``), so that a storage address reused after a free is not mistaken for the old one.

@@ -1,14 +1,5 @@
 """Geometry of the Stiefel manifold St(d, r) = {B in R^{d x r} : BᵀB = I_r}.
 
-Every function takes a single matrix ``(d, r)`` or a stack ``(..., d, r)`` and works in the dtype it is given. The
-optimizer calls them in fp32 (fp64 in the tests): in bf16 the Gram matrices and the 2r x 2r solve lose
-orthogonality at the 1e-2 level within a few steps.
-
-The Cayley step follows Wen & Yin (2013), "A feasible method for optimization with orthogonality constraints": the
-skew-symmetric direction W = U Bᵀ − B Uᵀ has rank at most 2r, so W = L Rᵀ with L = [U, B] and R = [B, −U], and
-the Sherman–Morrison–Woodbury identity turns the d x d inverse of the Cayley transform into one 2r x 2r solve
-(their Lemma 4). No d x d matrix is ever built: every step costs O(d·r² + r³).
-
 May import: nothing of fora_plugin.
 """
 
@@ -221,6 +212,16 @@ def cayley_step(
     solver: str = "exact",
     iters: int = 5,
 ) -> torch.Tensor:
-    """One Cayley retraction of ``B`` (..., d, r) along −W(G) B, the Riemannian gradient built from ``G``."""
+    """One Cayley retraction of ``B`` (..., d, r) along −W(G) B, the Riemannian gradient built from ``G``.
+
+    The Cayley step follows Wen & Yin (2013), "A feasible method for optimization with orthogonality constraints":
+    the skew-symmetric direction W = U Bᵀ − B Uᵀ has rank at most 2r, so W = L Rᵀ with L = [U, B] and R = [B, −U],
+    and the Sherman–Morrison–Woodbury identity turns the d x d inverse of the Cayley transform into one 2r x 2r solve
+    (their Lemma 4). No d x d matrix is ever built: every step costs O(d·r² + r³).
+
+    Every function of this module takes a single matrix ``(d, r)`` or a stack ``(..., d, r)`` and works in the dtype
+    it is given. The optimizer calls them in fp32 (fp64 in the tests): in bf16 the Gram matrices and the 2r x 2r
+    solve lose orthogonality at the 1e-2 level within a few steps.
+    """
     BG = torch.cat((B, G), dim=-1)  # (..., d, 2r)
     return BG @ cayley_coefficients(BG, tau, solver=solver, iters=iters)[..., : B.shape[-1]]

@@ -3,26 +3,6 @@
 :func:`score_on_trainer` and :func:`fora_optimizer` work on any ``transformers.Trainer``: FoRASFTTrainer calls them,
 and so does the Axolotl plugin on Axolotl's trainer. The steps that need no trainer are in :mod:`fora_plugin.wiring`.
 
-FoRASFTTrainer first lets SFTTrainer do all of its work, LoRA wrap included (dataset processing, completion/assistant
-masks, packing, collator, loss, a k-bit base's adapter dtype), then scores the base model (adapters disabled) on
-batches of its own train dataloader through its own ``compute_loss``, then moves the adapter onto the chosen layers
-only. Under DeepSpeed ZeRO-1/2 the Stiefel ``lora_B`` are stepped beside the partition (:mod:`fora_plugin.zero`);
-under FSDP2 each rank steps its rows of every ``lora_B`` (:mod:`fora_plugin.fsdp`).
-Overridden, and why:
-
-- ``__init__``: the selection and the re-adapt described above, and the DeepSpeed and FSDP checks; then the backward
-  is made to stop at the lowest adapted layer, with activation checkpointing too (:mod:`fora_plugin.backward`:
-  TRL's embeddings hook off, a pre-hook on that layer under reentrant checkpointing).
-- ``create_optimizer``: the single AdamW + Cayley-Adam optimizer (``build_fora_optimizer``; under DeepSpeed its
-  ZeRO client form).
-- ``log``: adds the largest ‖BᵀB − I‖ and the mean effective rank of ΔW to every log, and the selection once
-  (under FSDP2 from the adapters gathered whole for the log).
-- ``train``: refuses to resume a checkpoint trained on other layers, or one whose state files are truncated; notes
-  the checkpoint for the Cayley state.
-
-Scoring runs the way a training step does (:func:`score_on_trainer`): the activation checkpointing and the autocast
-that ``Trainer.train`` switches on, and, under fp16, a loss scale so that small gradients do not underflow.
-
 May import: backward, compatibility, config, errors, fisher, fsdp, monitor, optim, validation, wiring, zero.
 """
 
@@ -366,6 +346,30 @@ class ZeroStiefelCallback(TrainerCallback):
 
 class FoRASFTTrainer(SFTTrainer):
     """``trl.SFTTrainer`` that trains FoRA: LoRA on the Fisher-selected layers, Stiefel ``lora_B`` by Cayley-Adam.
+
+    FoRASFTTrainer first lets SFTTrainer do all of its work, LoRA wrap included (dataset processing,
+    completion/assistant masks, packing, collator, loss, a k-bit base's adapter dtype), then scores the base model
+    (adapters disabled) on batches of its own train dataloader through its own ``compute_loss``, then moves the
+    adapter onto the chosen layers only. Under DeepSpeed ZeRO-1/2 the Stiefel ``lora_B`` are stepped beside the
+    partition (:mod:`fora_plugin.zero`); under FSDP2 each rank steps its rows of every ``lora_B``
+    (:mod:`fora_plugin.fsdp`).
+
+    Overridden, and why:
+
+    - ``__init__``: the selection and the re-adapt described above, and the DeepSpeed and FSDP checks; then the
+      backward is made to stop at the lowest adapted layer, with activation checkpointing too
+      (:mod:`fora_plugin.backward`: TRL's embeddings hook off, a pre-hook on that layer under reentrant
+      checkpointing).
+    - ``create_optimizer``: the single AdamW + Cayley-Adam optimizer (``build_fora_optimizer``; under DeepSpeed its
+      ZeRO client form).
+    - ``log``: adds the largest ‖BᵀB − I‖ and the mean effective rank of ΔW to every log, and the selection once
+      (under FSDP2 from the adapters gathered whole for the log).
+    - ``train``: refuses to resume a checkpoint trained on other layers, or one whose state files are truncated;
+      notes the checkpoint for the Cayley state.
+
+    Scoring runs the way a training step does (:func:`score_on_trainer`): the activation checkpointing and the
+    autocast that ``Trainer.train`` switches on, and, under fp16, a loss scale so that small gradients do not
+    underflow.
 
     Args are SFTTrainer's, plus:
         peft_config: a ``peft.LoraConfig`` (rank, alpha, dropout, target modules). Required: FoRA is a LoRA method.

@@ -1,14 +1,5 @@
 """FoRA's steps around a trainer, shared by `FoRASFTTrainer` (TRL) and the Axolotl plugin.
 
-1. :func:`choose_layers`: the K decoder layers to adapt (Fisher scores from a caller-given scorer, explicit indices,
-   a control strategy, saved scores, or the selection saved with the checkpoint being resumed).
-2. :func:`readapt_lora`: the trainer's LoRA adapter moved onto those layers (:func:`restrict_lora_config` points
-   the LoraConfig at exactly their target linears), then :func:`init_fora_adapters`: Stiefel ``lora_B`` for the
-   modes that use it, and the per-layer parameter counts.
-4. :func:`write_selection`: ``fora_scores.json``, ``fora_scores.png`` and the printed table;
-   :class:`SaveSelectionCallback` puts the json in every checkpoint, so a resume adapts the same layers.
-5. :class:`FoRALogs`: what FoRA adds to every training log.
-
 May import: adapter, config, diagnostics, errors, fisher, fsdp, plots, selection, stiefel, targets, validation, zero.
 """
 
@@ -130,6 +121,10 @@ def choose_layers(
     score: Callable[[], FisherScores],
 ) -> FoRASelection:
     """The layers ``model`` gets LoRA on under ``fora``.
+
+    Step 1 of FoRA's steps around a trainer, :func:`choose_layers`: the K decoder layers to adapt (Fisher scores
+    from a caller-given scorer, explicit indices, a control strategy, saved scores, or the selection saved with the
+    checkpoint being resumed).
 
     ``checkpoint`` is the checkpoint the run resumes from (its saved selection is reused, nothing is scored);
     ``score`` computes the Fisher scores when they are needed: the caller's data and loss.
@@ -257,6 +252,11 @@ def readapt_lora(
 ) -> None:
     """Move ``model``'s LoRA adapter onto the chosen layers only, then :func:`init_fora_adapters`.
 
+    Step 2 of FoRA's steps around a trainer (after step 1, :func:`choose_layers`), :func:`readapt_lora`: the
+    trainer's LoRA adapter moved onto those layers (:func:`restrict_lora_config` points the LoraConfig at exactly
+    their target linears), then :func:`init_fora_adapters`: Stiefel ``lora_B`` for the modes that use it, and the
+    per-layer parameter counts.
+
     The trainer (SFTTrainer, Axolotl's) wrapped every layer the LoraConfig targets. The adapter comes off (weights
     and wrappers) and goes back under the same name with the same LoraConfig object, restricted in place (a trainer
     may hold that object and save it), on the same PeftModel; the adapter weights get the dtype the trainer gave
@@ -360,6 +360,10 @@ def _lora_parameter_count(target: nn.Module | torch.Tensor, r: int) -> int:
 def write_selection(selection: FoRASelection, output_dir: str | Path, *, table: bool = True) -> None:
     """``fora_scores.json`` and ``fora_scores.png`` in ``output_dir``, and (``table``) the table on stdout.
 
+    Step 4 of FoRA's steps around a trainer, :func:`write_selection`: ``fora_scores.json``, ``fora_scores.png`` and
+    the printed table; :class:`SaveSelectionCallback` puts the json in every checkpoint, so a resume adapts the same
+    layers.
+
     Written when the run's outputs are: at the end of training (:class:`SaveSelectionCallback`), or by ``fora
     score``, whose output they are. A run that fails or is refused before that leaves an earlier run's files as they
     were.
@@ -425,7 +429,10 @@ class SaveSelectionCallback(TrainerCallback):
 
 class FoRALogs:
     """What FoRA adds to a training log: the largest ‖BᵀB − I‖, the mean effective rank of ΔW, and (in the first
-    log only) the number of adapted layers, the trainable parameters and their ratio to LoRA on all layers."""
+    log only) the number of adapted layers, the trainable parameters and their ratio to LoRA on all layers.
+
+    Step 5 of FoRA's steps around a trainer, :class:`FoRALogs`: what FoRA adds to every training log.
+    """
 
     def __init__(self, selection: FoRASelection) -> None:
         self.selection = selection

@@ -1,28 +1,5 @@
 """FoRA as an Axolotl plugin: ``plugins: [fora_plugin.axolotl.FoRAPlugin]`` plus ``fora_*`` keys.
 
-Axolotl loads the model, wraps it with LoRA on every layer the YAML targets and builds its trainer as usual. Then,
-in ``post_trainer_create`` (the trainer's dataloader and loss exist, its optimizer does not yet):
-
-1. the base model (adapters disabled) is scored through the trainer's own train batches and ``compute_loss``: the
-   data, masks, packing and loss that training will use;
-2. the adapter is taken off and put back under the same name, with the same LoraConfig object, on the chosen layers
-   only, and its ``lora_B`` made Stiefel;
-3. the backward stops at the lowest adapted layer, with activation checkpointing too (:mod:`fora_plugin.backward`);
-4. the trainer gets FoRA's optimizer, FoRA's log entries and the callback that saves the selection in checkpoints;
-   under DeepSpeed ZeRO-1/2, FoRA's ZeRO client optimizer and its checkpoint callback (:mod:`fora_plugin.zero`);
-   under FSDP2 (``fsdp_config``), the checks and callback of :mod:`fora_plugin.fsdp`, and logs read from the
-   adapters gathered whole.
-
-``adapter: qlora`` (a 4-bit NF4 base, ``load_in_4bit: true``) is QFoRA: the base is scored through the quantized
-linears' inputs and output gradients, and the adapter is the same.
-
-Axolotl 0.21 loads the plugins a config lists by their dotted path only: ``plugins: [fora]`` (this package's entry
-point name) cannot load, and the run stops with one line that names ``fora_plugin.axolotl.FoRAPlugin``
-(:class:`_ShortPluginName`).
-
-Every step is a function that ``FoRASFTTrainer`` calls too (:mod:`fora_plugin.wiring`, :mod:`fora_plugin.trainer`),
-so both give the same layers, adapters, optimizer, logs and ``fora_scores.json``/``.png``.
-
 May import: axolotl.args, config, errors, models, trainer, wiring.
 """
 
@@ -52,6 +29,31 @@ LOG = get_logger(__name__)
 
 class FoRAPlugin(BasePlugin):
     """Fisher-selected layers and Stiefel ``lora_B`` for an Axolotl LoRA run.
+
+    Axolotl loads the model, wraps it with LoRA on every layer the YAML targets and builds its trainer as usual.
+    Then, in ``post_trainer_create`` (the trainer's dataloader and loss exist, its optimizer does not yet):
+
+    1. the base model (adapters disabled) is scored through the trainer's own train batches and ``compute_loss``:
+       the data, masks, packing and loss that training will use;
+    2. the adapter is taken off and put back under the same name, with the same LoraConfig object, on the chosen
+       layers only, and its ``lora_B`` made Stiefel;
+    3. the backward stops at the lowest adapted layer, with activation checkpointing too
+       (:mod:`fora_plugin.backward`);
+    4. the trainer gets FoRA's optimizer, FoRA's log entries and the callback that saves the selection in
+       checkpoints; under DeepSpeed ZeRO-1/2, FoRA's ZeRO client optimizer and its checkpoint callback
+       (:mod:`fora_plugin.zero`); under FSDP2 (``fsdp_config``), the checks and callback of :mod:`fora_plugin.fsdp`,
+       and logs read from the adapters gathered whole.
+
+    ``adapter: qlora`` (a 4-bit NF4 base, ``load_in_4bit: true``) is QFoRA: the base is scored through the quantized
+    linears' inputs and output gradients, and the adapter is the same.
+
+    Axolotl 0.21 loads the plugins a config lists by their dotted path only: ``plugins: [fora]`` (this package's
+    entry point name) cannot load, and the run stops with one line that names ``fora_plugin.axolotl.FoRAPlugin``
+    (:class:`_ShortPluginName`).
+
+    Every step is a function that ``FoRASFTTrainer`` calls too (:mod:`fora_plugin.wiring`,
+    :mod:`fora_plugin.trainer`), so both give the same layers, adapters, optimizer, logs and
+    ``fora_scores.json``/``.png``.
 
     Every hook first checks that the YAML lists the plugin: an installed plugin is registered by its entry point
     for every Axolotl run, and a plugin registered for one config stays registered in the process.

@@ -1,14 +1,5 @@
 """FastChat's ``llm_judge`` protocol, one loop for both kinds of grading: single-answer and pairwise.
 
-- single-answer: ``single-v1`` for turn 1, ``single-v1-multi-turn`` for turn 2, and for the categories with reference
-  answers ``single-math-v1`` and ``single-math-v1-multi-turn``; temperature 0; the rating is read from ``[[rating]]``,
-  else ``[rating]``, else it is -1 (counted, left out of the means, as FastChat's ``show_result.py`` does);
-- pairwise: ``pair-v2`` / ``pair-math-v1`` and their multi-turn forms, each match judged in both orders (FastChat's
-  g1 and g2).
-
-What differs between the two is data (:class:`Grading`: prompt names, record fields, how replies are read) and the
-matches each builds; :func:`judge_all` asks for every judgment not in the cache and writes each as it comes.
-
 May import: mt_bench.questions, mt_bench.cache, mt_bench.client.
 """
 
@@ -222,7 +213,35 @@ def judge_all(
     prompts: dict[str, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Every match of ``grading`` on both turns of ``questions``, judged unless the judgment file already holds it:
-    this run's records (cached or new), with FastChat's fields."""
+    this run's records (cached or new), with FastChat's fields.
+
+    The protocol is FastChat's ``llm_judge`` (lm-sys/FastChat ``fastchat/llm_judge``), reimplemented on the
+    ``openai`` v1 client so that any OpenAI-compatible server can judge (OpenAI itself, vLLM,
+    ``transformers serve``, llama.cpp): single-answer grading (``[[rating]]``, else ``[rating]``, else -1, counted
+    and left out of the means) and pairwise (both orders, a verdict that changes with the order counted as a tie).
+
+    - single-answer: ``single-v1`` for turn 1, ``single-v1-multi-turn`` for turn 2, and for the categories with
+      reference answers ``single-math-v1`` and ``single-math-v1-multi-turn``; temperature 0; the rating is read from
+      ``[[rating]]``, else ``[rating]``, else it is -1 (counted, left out of the means, as FastChat's
+      ``show_result.py`` does);
+    - pairwise: ``pair-v2`` / ``pair-math-v1`` and their multi-turn forms, each match judged in both orders
+      (FastChat's g1 and g2).
+
+    What differs between the two is data (:class:`Grading`: prompt names, record fields, how replies are read) and
+    the matches each builds; :func:`judge_all` asks for every judgment not in the cache and writes each as it comes.
+
+    Files are FastChat's, so ``show_result.py`` reads them unchanged: ``model_answer/<model_id>.jsonl``,
+    ``model_judgment/<judge>_single.jsonl`` and ``<judge>_pair.jsonl``. Each judgment is appended (and fsynced) as it
+    comes; a judgment whose exact prompt is already in the file is never asked for again, so a re-run asks only for
+    what is missing and an interrupted run loses nothing. The API key is read from an environment variable and never
+    written.
+
+    Modules of :mod:`fora_plugin.mt_bench`, in import order: ``config`` (MTBenchConfig, its checks and ``fora eval``
+    flags), ``questions`` (the files: questions, answers, references, judge prompts), ``cache`` (the fsynced JSONL
+    append), ``client`` (the judge server, with retries), ``judge`` (prompts, parsing, one loop for single and
+    pairwise), ``results`` (means, table, plot), ``answers`` (the model's answers), ``pipeline`` (prepare, run,
+    score). ``openai`` is imported only when a judge is made.
+    """
     prompts = prompts or load_judge_prompts()
     judge = client.config.judge_model
     store = JudgmentFile(judgment_dir / f"{client.config.judge_file_name}_{grading.name}.jsonl", grading.key)

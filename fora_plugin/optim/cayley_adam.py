@@ -1,25 +1,6 @@
 """Cayley-Adam on the Stiefel manifold, in the form of ``torch.optim.adam``: the functional step :func:`cayley_adam`
 and the optimizer :class:`CayleyAdam`, which keeps the state beside each parameter and calls it.
 
-The algorithm is the paper's Appendix C ("Adam moments on the manifold"): a first moment m of the Euclidean gradient,
-a scalar second moment v of its squared Frobenius norm, Adam's bias correction, the skew direction W(m̂) / (√v̂ + ε)
-and a Cayley step of size lr. After the step the first moment is replaced by W(m) B_{t+1}, its tangent part carried
-to the new point (Q commutes with W, so this is Q·W(m)B_t: the momentum moves with the point). Matrices of one shape
-are stepped together in one buffer, so the kernel launches per step do not grow with the number of adapters. The step
-reads the matrices only through the 2r x 2r Gram matrix of [B, m] (a sum over rows) and ‖G‖².
-
-Implementation paths. The step has one body (:func:`_bucket_step`); where paths differ, they are named:
-
-- ``implementation``, the one choice, as torch's ``foreach``/``fused``: how a bucket's B, m and G are copied into the
-  step's (n, d, 2r) buffer and back. ``"per_matrix"``: one ``torch._foreach_copy_`` per list, matrix by matrix.
-  ``"staged"``: through a dense (count, d, r·E) stage, one multi-tensor copy and one strided copy of the whole
-  bucket. ``None`` is resolved per device by :func:`resolve_implementation`.
-- row-sharded, set by the data: a bucket of DTensor ``lora_B`` sharded by rows (``Shard(0)``, as FSDP2's
-  ``fully_shard`` makes them) is stepped on its local rows; its Gram matrices and ‖G‖² are summed by one all-reduce
-  over :func:`reduce_groups`, every rank solves the same small systems and updates its own rows.
-- expert blocks, set by the group's ``num_experts``: a fused-MoE ``lora_B`` (d_out, r·E) is E interleaved Stiefel
-  matrices, each a matrix of the buffer with its own scalars.
-
 May import: adapter, config, errors, stiefel, validation.
 """
 
@@ -209,6 +190,14 @@ def _check_stiefel_parameter(p: torch.Tensor, index: int, num_experts: int = 1) 
 # ------------------------------------------------------------------------------------------------------ the class
 class CayleyAdam(Optimizer):
     """Adam on the Stiefel manifold St(d, r) with an exact O(d·r²) Cayley retraction.
+
+    The algorithm is the paper's Appendix C ("Adam moments on the manifold"): a first moment m of the Euclidean
+    gradient, a scalar second moment v of its squared Frobenius norm, Adam's bias correction, the skew direction
+    W(m̂) / (√v̂ + ε) and a Cayley step of size lr. After the step the first moment is replaced by W(m) B_{t+1}, its
+    tangent part carried to the new point (Q commutes with W, so this is Q·W(m)B_t: the momentum moves with the
+    point). Matrices of one shape are stepped together in one buffer, so the kernel launches per step do not grow
+    with the number of adapters. The step reads the matrices only through the 2r x 2r Gram matrix of [B, m] (a sum
+    over rows) and ‖G‖².
 
     Every parameter is a ``(d_out, r)`` matrix (a LoRA ``lora_B`` weight) kept column-orthonormal, BᵀB = I_r. A
     parameter off the manifold at its first step is projected onto it (QR). All math runs in fp32 (fp64 for an fp64
@@ -533,6 +522,18 @@ def cayley_adam(
     expert blocks per parameter; ``implementation``: the copy path, one of :data:`IMPLEMENTATIONS` or None (by
     device, :func:`resolve_implementation`); ``constants``: a dict the caller keeps between steps for the step's
     small constant tensors (None: made for this call).
+
+    Implementation paths. The step has one body (:func:`_bucket_step`); where paths differ, they are named:
+
+    - ``implementation``, the one choice, as torch's ``foreach``/``fused``: how a bucket's B, m and G are copied into
+      the step's (n, d, 2r) buffer and back. ``"per_matrix"``: one ``torch._foreach_copy_`` per list, matrix by
+      matrix. ``"staged"``: through a dense (count, d, r·E) stage, one multi-tensor copy and one strided copy of the
+      whole bucket. ``None`` is resolved per device by :func:`resolve_implementation`.
+    - row-sharded, set by the data: a bucket of DTensor ``lora_B`` sharded by rows (``Shard(0)``, as FSDP2's
+      ``fully_shard`` makes them) is stepped on its local rows; its Gram matrices and ‖G‖² are summed by one
+      all-reduce over :func:`reduce_groups`, every rank solves the same small systems and updates its own rows.
+    - expert blocks, set by the group's ``num_experts``: a fused-MoE ``lora_B`` (d_out, r·E) is E interleaved
+      Stiefel matrices, each a matrix of the buffer with its own scalars.
     """
     if masters is None:
         masters = [None] * len(params)

@@ -1,29 +1,5 @@
-"""``fora plan``: memory and FLOPs of a FoRA run at its real shapes, computed on the CPU without any weight.
-
-The model is built from its config.json on the ``meta`` device and wrapped with PEFT LoRA there (PEFT cannot move
-modules under FakeTensorMode), then every parameter and buffer becomes a fake tensor (shape, dtype and device, no
-data), which, unlike meta tensors, answers the ``.item()`` calls of checkpointing and masking. FoRA's own code then
-runs on it: one Fisher scoring batch through :func:`fora_plugin.fisher.fisher_scores` on the model as scoring holds
-it (LoRA on every target layer, adapters off), and one training step per mode (``fora``, ``fg-lora``, ``lora``):
-forward and backward with the run's checkpointing and autocast, and the optimizer step with its states (FoRA's
-optimizer as :func:`fora_plugin.trainer.fora_optimizer` builds it, the Trainer's AdamW for ``lora``).
-
-A decoder stack that repeats every p layers is run at p, 2p and 3p layers and extrapolated to its L layers when every
-count lies exactly on one line (:func:`extrapolation_depths`); else, or with ``full_depth``, all L layers run.
-
-A :class:`~fora_plugin.memory.LiveTensorTracker` counts live storages; its peak is broken down into weights, LoRA
-(parameters, gradients, optimizer states), activations (what the forward left alive for the backward) and
-transient buffers. ``torch.utils.flop_counter.FlopCounterMode`` counts FLOPs.
-
-What is modelled rather than run: a 4-bit bitsandbytes base is a bf16 linear scored and trained the way
-bitsandbytes' are (no weight gradient; fisher.py scores it from x and g), counted at its packed size (NF4 plus
-absmax constants) with one dequantized weight alive during its matmul; sharded engines (ZeRO-1/2/3, FSDP2) divide
-what they shard by the number of GPUs, by their rules in :mod:`fora_plugin.sharding` (the output says so;
-bench/plan_fsdp2_simulation.py checks FSDP2's against ``fully_shard`` on a fake process group).
-
-Modules, in import order: ``setup`` (the config read as `fora train` reads it, the planned layers), ``fake_model``
-(the model on fake tensors), ``kernels`` (GPU kernels' stand-ins), ``measure`` (the tracked phases), ``depth``
-(depth extrapolation), ``shard`` (per-GPU bytes under an engine), ``output`` (verdict, table, plan.json, plot).
+"""``fora plan``: memory and FLOPs of a FoRA run at its real shapes, computed on the CPU without any weight. How it is
+computed: :func:`run_plan`.
 
 May import: errors, plan, sharding, targets.
 """
@@ -113,6 +89,28 @@ def run_plan(setup: PlanSetup, modes: tuple[str, ...] = MODES, *, full_depth: bo
 
     A stack that repeats is run at three small depths and extrapolated (see :func:`extrapolation_depths`), unless
     ``full_depth``; the output says which.
+
+    The model is built from its config.json on the ``meta`` device and wrapped with PEFT LoRA there (PEFT cannot move
+    modules under FakeTensorMode), then every parameter and buffer becomes a fake tensor (shape, dtype and device, no
+    data), which, unlike meta tensors, answers the ``.item()`` calls of checkpointing and masking. FoRA's own code then
+    runs on it: one Fisher scoring batch through :func:`fora_plugin.fisher.fisher_scores` on the model as scoring holds
+    it (LoRA on every target layer, adapters off), and one training step per mode (``fora``, ``fg-lora``, ``lora``):
+    forward and backward with the run's checkpointing and autocast, and the optimizer step with its states (FoRA's
+    optimizer as :func:`fora_plugin.trainer.fora_optimizer` builds it, the Trainer's AdamW for ``lora``).
+
+    A decoder stack that repeats every p layers is run at p, 2p and 3p layers and extrapolated to its L layers when
+    every count lies exactly on one line (:func:`extrapolation_depths`); else, or with ``full_depth``, all L layers
+    run.
+
+    A :class:`~fora_plugin.memory.LiveTensorTracker` counts live storages; its peak is broken down into weights, LoRA
+    (parameters, gradients, optimizer states), activations (what the forward left alive for the backward) and transient
+    buffers. ``torch.utils.flop_counter.FlopCounterMode`` counts FLOPs.
+
+    What is modelled rather than run: a 4-bit bitsandbytes base is a bf16 linear scored and trained the way
+    bitsandbytes' are (no weight gradient; fisher.py scores it from x and g), counted at its packed size (NF4 plus
+    absmax constants) with one dequantized weight alive during its matmul; sharded engines (ZeRO-1/2/3, FSDP2) divide
+    what they shard by the number of GPUs, by their rules in :mod:`fora_plugin.sharding` (the output says so;
+    bench/plan_fsdp2_simulation.py checks FSDP2's against ``fully_shard`` on a fake process group).
     """
     if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
         raise FoRAInputError(f"modes={modes!r}: plan one or more of {MODES}, each once.")
@@ -164,7 +162,13 @@ def plan(
     output: str | None = None,
     full_depth: bool = False,
 ) -> tuple[str, dict[str, Any]]:
-    """`fora plan`: the printed table and plan.json's content; writes plan.json and plan.png into the output dir."""
+    """`fora plan`: the printed table and plan.json's content; writes plan.json and plan.png into the output dir.
+
+    The modules of ``fora_plugin.plan``, in import order: ``setup`` (the config read as `fora train` reads it, the
+    planned layers), ``fake_model`` (the model on fake tensors), ``kernels`` (GPU kernels' stand-ins), ``measure`` (the
+    tracked phases), ``depth`` (depth extrapolation), ``shard`` (per-GPU bytes under an engine), ``output`` (verdict,
+    table, plan.json, plot).
+    """
     setup = plan_setup(config, overrides, gpus=gpus, model_config=model_config, output=output)
     result = run_plan(setup, full_depth=full_depth)
     text = format_plan(setup, result, gpu_memory)
