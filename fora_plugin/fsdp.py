@@ -21,13 +21,13 @@ from transformers.utils import strtobool
 
 from .config import FoRAConfig
 from .errors import FoRAInputError
-from .optim import init_cayley_adam_state
+from .optim import init_cayley_adam_state, is_dtensor
 
 
 try:
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # torch without distributed tensors: nothing can be sharded
-    DTensor = Shard = None
+    from torch.distributed.tensor import Shard
+except ImportError:  # torch without distributed tensors: nothing can be sharded (is_dtensor is always False)
+    Shard = None
 
 
 __all__ = [
@@ -43,10 +43,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _is_dtensor(t: Any) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
 
 
 def fsdp_setting(args: Any) -> tuple[int, str] | None:
@@ -236,9 +232,9 @@ def check_sharded_training(model: nn.Module, optimizer: torch.optim.Optimizer) -
                     "model and the optimizer in the same accelerator.prepare(model, optimizer) call."
                 )
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    sharded = [n for n, p in trainable if _is_dtensor(p)]
+    sharded = [n for n, p in trainable if is_dtensor(p)]
     if sharded and len(sharded) < len(trainable):
-        plain = next(n for n, p in trainable if not _is_dtensor(p))
+        plain = next(n for n, p in trainable if not is_dtensor(p))
         raise FoRAInputError(
             f"FSDP2 sharded {sharded[0]} but left the trainable {plain} a plain tensor (is its module in the FSDP "
             "ignored modules?): gradient clipping over both fails with 'got mixed torch.Tensor and DTensor'. Let "
@@ -278,7 +274,7 @@ def init_sharded_stiefel_state(model: nn.Module, optimizer: torch.optim.Optimize
         if not group.get("stiefel"):
             continue
         for p in group["params"]:
-            if not _is_dtensor(p) or optimizer.state[p]:
+            if not is_dtensor(p) or optimizer.state[p]:
                 continue
             try:
                 with torch.no_grad():  # as in the step: writes the projected point into the parameter
@@ -319,13 +315,13 @@ def gathered_adapters(model: nn.Module, optimizer: torch.optim.Optimizer | None 
                 continue
             for layer in (*module.lora_A.values(), *module.lora_B.values()):
                 sharded = layer._parameters.get("weight")
-                if not _is_dtensor(sharded):
+                if not is_dtensor(sharded):
                     continue
                 whole = nn.Parameter(sharded.full_tensor().detach(), requires_grad=False)  # (d_out, r) or (r, d_in)
                 layer._parameters["weight"] = whole
                 swapped.append((layer, sharded))
                 master = optimizer.state.get(sharded, {}).get("master") if optimizer is not None else None
-                if _is_dtensor(master):
+                if is_dtensor(master):
                     optimizer.state[whole] = {"master": master.full_tensor()}
                     added_state.append(whole)
         yield

@@ -1,8 +1,9 @@
 """What each engine shards of a FoRA run, across which ranks, and what it gathers while computing, as data.
 
 The rules of the engines FoRA runs under (plain DDP, DeepSpeed ZeRO-1/2/3 in :mod:`fora_plugin.zero`, torch FSDP2
-in :mod:`fora_plugin.fsdp`), kept beside them so that a change to an engine changes its rule here, in one place.
-``fora plan`` reads them to turn one unsharded GPU's memory into each rank's; nothing here computes.
+in :mod:`fora_plugin.fsdp`), stated as data beside them: each rule describes what that engine's code does, so a change
+to an engine changes its rule here. ``fora plan`` is their reader: it turns one unsharded GPU's memory into each
+rank's. Nothing here computes.
 
 May import: nothing of fora_plugin.
 """

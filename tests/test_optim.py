@@ -966,3 +966,22 @@ def test_a_lora_b_loaded_in_place_mid_run_is_where_the_next_step_starts(kind):
         ulp = torch.finfo(dtype).eps * value.float().abs()  # one ulp of each loaded value (its spacing at 1: eps)
         assert torch.all((point - value.float()).abs() <= ulp), (point - value.float()).abs().max()
         assert torch.equal(p, value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_loaded_state_owns_its_storage_apart_from_the_state_dict_it_came_from(dtype):
+    # b.load_state_dict(a.state_dict()): were b's moments or masters a's own tensors, each step of one would move the
+    # other's state.
+    gen = torch.Generator().manual_seed(71)
+    source = stiefel_params([(16, 4), (16, 4)], seed=72, dtype=dtype)
+    a = CayleyAdam(source, lr=0.01)
+    set_random_grads(source, gen)
+    a.step()
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in source]
+    b = CayleyAdam(twins, lr=0.01)
+    b.load_state_dict(a.state_dict())
+    for p, q in zip(source, twins):
+        assert a.state[p].keys() == b.state[q].keys()
+        for key, value in a.state[p].items():
+            assert torch.equal(value, b.state[q][key]), key
+            assert value.untyped_storage().data_ptr() != b.state[q][key].untyped_storage().data_ptr(), key

@@ -1,5 +1,11 @@
 """MT-Bench scored end to end: answers, an LLM judge behind any OpenAI-compatible endpoint, FastChat's files.
 
+Modules, in import order: ``config`` (MTBenchConfig, its checks and ``fora eval`` flags), ``questions`` (questions,
+answers, references, judge prompts), ``cache`` (the fsynced JSONL append), ``client`` (the judge server, with
+retries), ``judge`` (prompts, parsing, one loop for single and pairwise: :func:`judge_all`), ``results`` (means,
+table, plot), ``answers`` (the model's answers), ``pipeline`` (prepare, run, score). ``openai`` is imported only when
+a judge is made.
+
 May import: mt_bench.
 """
 

@@ -3,7 +3,7 @@
 ``fora eval --mt-bench`` builds the config from its flags (one flag per field, same help) and ``fora ablate`` from its
 ``eval.mt_bench`` block; both are checked here, before any model loads.
 
-May import: errors.
+May import: errors, validation.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FoRAInputError
+from ..validation import is_integer, is_real
 
 
 __all__ = [
@@ -100,12 +101,12 @@ class MTBenchConfig:
             raise FoRAInputError(f"judge_model={self.judge_model!r} is empty: name the judge model (e.g. gpt-4).")
         for name in ("max_new_tokens", "judge_max_tokens", "judge_retries", "judge_parallel"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise FoRAInputError(f"{name}={value!r} must be a positive integer.")
-        if self.first_n is not None and (not isinstance(self.first_n, int) or self.first_n < 1):
+        if self.first_n is not None and (not is_integer(self.first_n) or self.first_n < 1):
             raise FoRAInputError(f"first_n={self.first_n!r} must be a positive integer (or unset for all questions).")
         for name in ("judge_retry_wait", "judge_timeout"):
-            if not isinstance(getattr(self, name), int | float) or getattr(self, name) < 0:
+            if not is_real(getattr(self, name)) or getattr(self, name) < 0:
                 raise FoRAInputError(f"{name}={getattr(self, name)!r} must be a number of seconds >= 0.")
         if self.judge_base_url is not None and not re.match(r"^https?://", self.judge_base_url):
             raise FoRAInputError(

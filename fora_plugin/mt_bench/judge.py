@@ -1,6 +1,6 @@
 """FastChat's ``llm_judge`` protocol, one loop for both kinds of grading: single-answer and pairwise.
 
-May import: mt_bench.questions, mt_bench.cache, mt_bench.client.
+May import: mt_bench.cache, mt_bench.client, mt_bench.config, mt_bench.questions.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from tqdm.auto import tqdm
 
 from .cache import JudgmentFile
 from .client import JudgeClient
+from .config import MTBenchConfig
 from .questions import NEED_REF_CATS, answer_turns, load_judge_prompts
 
 
 __all__ = [
+    "judgment_path",
     "PAIR_GRADING",
     "PAIR_PROMPTS",
     "RATING_PATTERNS",
@@ -203,6 +205,11 @@ def _run_all(tasks: list[Callable[[], None]], parallel: int, desc: str) -> None:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
+def judgment_path(judgment_dir: Path, config: MTBenchConfig, grading: Grading) -> Path:
+    """FastChat's judgment file of one grading: ``<judgment_dir>/<judge>_single.jsonl`` or ``<judge>_pair.jsonl``."""
+    return judgment_dir / f"{config.judge_file_name}_{grading.name}.jsonl"
+
+
 def judge_all(
     client: JudgeClient,
     grading: Grading,
@@ -217,8 +224,8 @@ def judge_all(
 
     The protocol is FastChat's ``llm_judge`` (lm-sys/FastChat ``fastchat/llm_judge``), reimplemented on the
     ``openai`` v1 client so that any OpenAI-compatible server can judge (OpenAI itself, vLLM,
-    ``transformers serve``, llama.cpp): single-answer grading (``[[rating]]``, else ``[rating]``, else -1, counted
-    and left out of the means) and pairwise (both orders, a verdict that changes with the order counted as a tie).
+    ``transformers serve``, llama.cpp): single-answer grading and pairwise (both orders, a verdict that changes with
+    the order counted as a tie).
 
     - single-answer: ``single-v1`` for turn 1, ``single-v1-multi-turn`` for turn 2, and for the categories with
       reference answers ``single-math-v1`` and ``single-math-v1-multi-turn``; temperature 0; the rating is read from
@@ -235,16 +242,10 @@ def judge_all(
     comes; a judgment whose exact prompt is already in the file is never asked for again, so a re-run asks only for
     what is missing and an interrupted run loses nothing. The API key is read from an environment variable and never
     written.
-
-    Modules of :mod:`fora_plugin.mt_bench`, in import order: ``config`` (MTBenchConfig, its checks and ``fora eval``
-    flags), ``questions`` (the files: questions, answers, references, judge prompts), ``cache`` (the fsynced JSONL
-    append), ``client`` (the judge server, with retries), ``judge`` (prompts, parsing, one loop for single and
-    pairwise), ``results`` (means, table, plot), ``answers`` (the model's answers), ``pipeline`` (prepare, run,
-    score). ``openai`` is imported only when a judge is made.
     """
     prompts = prompts or load_judge_prompts()
     judge = client.config.judge_model
-    store = JudgmentFile(judgment_dir / f"{client.config.judge_file_name}_{grading.name}.jsonl", grading.key)
+    store = JudgmentFile(judgment_path(judgment_dir, client.config, grading), grading.key)
     records: dict[tuple, dict[str, Any]] = {}
     tasks = []
     for turn in (1, 2):

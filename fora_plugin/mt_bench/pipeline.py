@@ -18,7 +18,7 @@ from ..validation import check_text_file
 from .answers import generate_answers
 from .client import JudgeClient
 from .config import CHAT_TEMPLATES, MTBenchConfig, flag
-from .judge import judge_pairwise, judge_single
+from .judge import SINGLE_GRADING, judge_pairwise, judge_single, judgment_path
 from .questions import (
     BUNDLED_REFERENCE,
     answers_of,
@@ -99,7 +99,7 @@ def score(
         "pairwise": pairs,
         "markdown": results_markdown(summary, pairs),
         "plot": str(plot),
-        "judgment_file": str(judgment_dir / f"{prepared.config.judge_file_name}_single.jsonl"),
+        "judgment_file": str(judgment_path(judgment_dir, prepared.config, SINGLE_GRADING)),
     }
 
 

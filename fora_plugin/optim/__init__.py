@@ -13,6 +13,7 @@ from .cayley_adam import (
     REPROJECT_THRESHOLD,
     CayleyAdam,
     init_cayley_adam_state,
+    is_dtensor,
     resolve_implementation,
     stiefel_step_with_gradients,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "check_lr_scheduler_type",
     "fora_optimizer_parts",
     "init_cayley_adam_state",
+    "is_dtensor",
     "resolve_implementation",
     "stiefel_step_with_gradients",
     "wrapped_optimizers",

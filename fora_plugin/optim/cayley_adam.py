@@ -39,6 +39,7 @@ __all__ = [
     "counter_total",
     "init_cayley_adam_state",
     "local_gradient",
+    "is_dtensor",
     "local_rows",
     "reduce_groups",
     "resolve_implementation",
@@ -72,8 +73,7 @@ def resolve_implementation(implementation: str | None, device: torch.device) -> 
     stage pays there. On the CPU a copy is a loop iteration and the stage's extra pass over the bucket costs more than
     it saves (10-15% of the step, bench/optimizer.py).
     """
-    if implementation is not None:
-        check_choice("implementation", implementation, IMPLEMENTATIONS)
+    if implementation is not None:  # checked where it is given: CayleyAdam's groups, cayley_adam()'s argument
         return implementation
     return "per_matrix" if device.type == "cpu" else "staged"
 
@@ -84,14 +84,19 @@ def compute_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (a sharded parameter of FSDP2); False where torch has no DTensor."""
+    return DTensor is not None and isinstance(t, DTensor)
+
+
 def local_rows(t: torch.Tensor) -> torch.Tensor:
     """The rows this rank holds: the local shard of a DTensor, the tensor itself otherwise."""
-    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def reduce_groups(p: torch.Tensor) -> tuple:
     """The process groups over which a sum over ``p``'s rows must be all-reduced (empty for a plain tensor)."""
-    if DTensor is None or not isinstance(p, DTensor):
+    if not is_dtensor(p):
         return ()
     groups = []
     for dim, placement in enumerate(p.placements):
@@ -114,7 +119,7 @@ def all_reduce_sum(tensor: torch.Tensor, groups: tuple) -> None:
 
 def local_gradient(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The rows of ``grad`` that this rank holds of ``p``: a DTensor gradient is first laid out as ``p`` is."""
-    if DTensor is not None and isinstance(p, DTensor):
+    if is_dtensor(p):
         if not isinstance(grad, DTensor):
             raise FoRAInputTypeError(
                 f"CayleyAdam: lora_B of shape {tuple(p.shape)} is a DTensor but its gradient is a plain tensor of "
@@ -130,7 +135,7 @@ def bucket_key(p: torch.Tensor) -> tuple:
     """What Stiefel parameters are stepped together by: whole-matrix shape, device, compute dtype and layout (a
     DTensor's mesh and placements). What every rank sees alike, so the all-reduces of a sharded bucket pair up across
     ranks even where the local row counts differ."""
-    layout = (id(p.device_mesh), tuple(p.placements)) if DTensor is not None and isinstance(p, DTensor) else None
+    layout = (id(p.device_mesh), tuple(p.placements)) if is_dtensor(p) else None
     return tuple(p.shape), p.device, compute_dtype(p), layout
 
 
@@ -329,10 +334,12 @@ def restore_compute_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> N
             saved_state = state_dict["state"].get(saved_id, {})
             for key in _COMPUTE_STATE_KEYS:
                 if key in saved_state:
-                    optimizer.state[p][key] = saved_state[key].to(dtype=compute_dtype(p), device=p.device)
+                    # A copy: the loaded state must not share storage with the state_dict it came from (another
+                    # optimizer's live state, when one loads another's state_dict).
+                    optimizer.state[p][key] = saved_state[key].to(dtype=compute_dtype(p), device=p.device, copy=True)
             for key in _COUNTER_KEYS:
                 if key in saved_state:
-                    optimizer.state[p][key] = saved_state[key].to(device=p.device)
+                    optimizer.state[p][key] = saved_state[key].to(device=p.device, copy=True)
 
 
 def init_cayley_adam_state(state: dict[str, Any], p: torch.Tensor, num_experts: int = 1) -> None:
@@ -535,6 +542,8 @@ def cayley_adam(
     - expert blocks, set by the group's ``num_experts``: a fused-MoE ``lora_B`` (d_out, r·E) is E interleaved
       Stiefel matrices, each a matrix of the buffer with its own scalars.
     """
+    if implementation is not None:
+        check_choice("implementation", implementation, IMPLEMENTATIONS)
     if masters is None:
         masters = [None] * len(params)
     local_grads = [local_gradient(p, g) for p, g in zip(params, grads)]
@@ -547,8 +556,8 @@ def cayley_adam(
     cache = {} if constants is None else constants
     # A bucket at a time: the step's scratch (4·d·r per matrix) is alive for one shape only, so a step's peak is its
     # largest bucket's, not the sum over all of them.
+    lists = (params, local_grads, masters, exp_avgs, exp_avg_sqs, state_steps, skipped_steps, reprojections)
     for indices in buckets.values():
-        lists = (params, local_grads, masters, exp_avgs, exp_avg_sqs, state_steps, skipped_steps, reprojections)
         _bucket_step(*([values[i] for i in indices] for values in lists), settings, implementation, cache)
 
 
@@ -584,9 +593,9 @@ def _bucket_step(
 
     [B, m] of the bucket is copied into a scratch (n, d, 2r) buffer, stepped there by two batched products, and
     copied back: parameters and moments keep their own storage (a parameter never aliases another one or the
-    optimizer's state), at the price of five passes over the bucket's matrices (G, B and m in; B and m out), each a
-    few kernels whatever the number of matrices, small beside the products (16·r flops per entry). A fused-MoE
-    lora_B's E interleaved expert blocks are E matrices of the buffer.
+    optimizer's state), at the price of five passes over the bucket's matrices (G, B and m in; B and m out), small
+    beside the products (16·r flops per entry); staged, each pass is a few kernels whatever the number of matrices.
+    A fused-MoE lora_B's E interleaved expert blocks are E matrices of the buffer.
     """
     num_experts = settings.num_experts
     points = [local_rows(p if m is None else m) for p, m in zip(params, masters)]  # (d_local, r·E), compute dtype
@@ -756,8 +765,8 @@ def _scatter_per_matrix(
     tensors: list[torch.Tensor], blocks: torch.Tensor, stage: torch.Tensor, num_experts: int
 ) -> None:
     """The inverse of :func:`_gather_per_matrix`: each (d, r·E) tensor takes its E blocks of ``blocks`` (n, d, r)."""
-    destinations, sources = _per_matrix(blocks, tensors, num_experts)
-    torch._foreach_copy_(sources, destinations)
+    sources, destinations = _per_matrix(blocks, tensors, num_experts)
+    torch._foreach_copy_(destinations, sources)
 
 
 def _gather_staged(blocks: torch.Tensor, tensors: list[torch.Tensor], stage: torch.Tensor, num_experts: int) -> None:

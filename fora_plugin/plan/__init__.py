@@ -1,6 +1,10 @@
 """``fora plan``: memory and FLOPs of a FoRA run at its real shapes, computed on the CPU without any weight. How it is
 computed: :func:`run_plan`.
 
+Modules, in import order: ``setup`` (the config read as `fora train` reads it, the planned layers), ``fake_model``
+(the model on fake tensors), ``kernels`` (GPU kernels' stand-ins), ``measure`` (the tracked phases), ``depth`` (depth
+extrapolation), ``shard`` (per-GPU bytes under an engine), ``output`` (verdict, table, plan.json, plot).
+
 May import: errors, plan, sharding, targets.
 """
 
@@ -162,13 +166,7 @@ def plan(
     output: str | None = None,
     full_depth: bool = False,
 ) -> tuple[str, dict[str, Any]]:
-    """`fora plan`: the printed table and plan.json's content; writes plan.json and plan.png into the output dir.
-
-    The modules of ``fora_plugin.plan``, in import order: ``setup`` (the config read as `fora train` reads it, the
-    planned layers), ``fake_model`` (the model on fake tensors), ``kernels`` (GPU kernels' stand-ins), ``measure`` (the
-    tracked phases), ``depth`` (depth extrapolation), ``shard`` (per-GPU bytes under an engine), ``output`` (verdict,
-    table, plan.json, plot).
-    """
+    """`fora plan`: the printed table and plan.json's content; writes plan.json and plan.png into the output dir."""
     setup = plan_setup(config, overrides, gpus=gpus, model_config=model_config, output=output)
     result = run_plan(setup, full_depth=full_depth)
     text = format_plan(setup, result, gpu_memory)

@@ -207,10 +207,6 @@ def _step_phases(
                 # part (Cayley-Adam's state), with the lora_B gradients.
                 live = tracker.live()
                 kept = {u: b for u, b in live.items() if u not in before or u in euclidean_uids}
-                # A lora_B whose storage the step replaced (none does since lora_B own their storage; a cast would)
-                # is in `kept` now, not twice.
-                peaks = {**forward_peak, **backward_peak}
-                moved = {u for u in peaks if kinds.of(u) == "lora_params" and u not in live}
                 stiefel_uids = (set(kept) - euclidean_uids) | tracker.uids(
                     p.grad for p in model.parameters() if id(p) in stiefel and p.grad is not None
                 )
@@ -218,7 +214,7 @@ def _step_phases(
                 flops = backward_flops + tracker.flops - flops
                 phases[mode] = [
                     *(
-                        Phase(_peak(tracker, kind, {**_without(peak, moved), **kept}), flops, trainable)
+                        Phase(_peak(tracker, kind, {**peak, **kept}), flops, trainable)
                         for peak in (forward_peak, backward_peak)
                     ),
                     Phase(_peak(tracker, kind, tracker.peak_live()), flops, trainable),
@@ -227,10 +223,6 @@ def _step_phases(
                 optimizer.state.clear()  # the next mode's optimizer starts from no state
                 del optimizer
     return phases
-
-
-def _without(live: dict[int, int], uids: set[int]) -> dict[int, int]:
-    return {u: b for u, b in live.items() if u not in uids}
 
 
 def measure(setup: PlanSetup, modes: tuple[str, ...], planned: list[int], scoring: bool) -> dict[str, list[Phase]]:
