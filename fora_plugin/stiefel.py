@@ -106,23 +106,18 @@ def tangent_projection(B: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     return G - B @ (0.5 * (BtG + BtG.mT))
 
 
-def skew_generator(gram: torch.Tensor, *, skew_basis: torch.Tensor | None = None) -> torch.Tensor:
+def skew_generator(gram: torch.Tensor) -> torch.Tensor:
     """Ω (..., 2r, 2r) with W(G) [B, G] = [B, G] Ω, from ``gram`` = [B, G]ᵀ[B, G] (..., 2r, 2r) alone.
 
     W = U Bᵀ − B Uᵀ with U = G − ½ B S, S = BᵀG, is [B, G] K [B, G]ᵀ for the skew-symmetric
-    K = [[½(Sᵀ − S), −I], [I, 0]], so W [B, G] = [B, G] (K · gram). The span of [B, G] is invariant under W, and Ω is
-    W acting on coordinates in it: every Cayley quantity is 2r x 2r algebra on Ω. ``skew_basis``: the constant part
-    J = [[0, −I], [I, 0]] of K, if the caller keeps one.
+    K = [[A, −I], [I, 0]], A = ½(Sᵀ − S), so W [B, G] = [B, G] (K · gram). The span of [B, G] is invariant under W, and
+    Ω is W acting on coordinates in it: every Cayley quantity is 2r x 2r algebra on Ω. With gram's block rows
+    [top; bottom] (r x 2r each), K · gram = [A · top − bottom; top]: one r x r product.
     """
     r = gram.shape[-1] // 2
-    if skew_basis is None:
-        skew_basis = torch.zeros(gram.shape[-2:], dtype=gram.dtype, device=gram.device)
-        skew_basis.diagonal(offset=r).fill_(-1.0)
-        skew_basis.diagonal(offset=-r).fill_(1.0)
-    skew = torch.nn.functional.pad(gram[..., r:, :r] - gram[..., :r, r:], (0, r, 0, r))  # [[Sᵀ − S, 0], [0, 0]]
-    if gram.ndim != 3:  # baddbmm takes one batch dimension
-        return skew_basis @ gram + 0.5 * skew @ gram
-    return torch.baddbmm(skew_basis @ gram, skew, gram, alpha=0.5)
+    top, bottom = gram[..., :r, :], gram[..., r:, :]  # (..., r, 2r)
+    half_skew = 0.5 * (gram[..., r:, :r] - gram[..., :r, r:])  # A = ½(Sᵀ − S), (..., r, r)
+    return torch.cat((half_skew @ top - bottom, top), dim=-2)
 
 
 def cayley_span_step(

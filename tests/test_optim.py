@@ -311,7 +311,7 @@ def test_fora_optimizer_resumes_both_groups_bit_identically():
     def build(a, b):
         return FoRAOptimizer(
             [{"params": [a]}, {"params": [b], "stiefel": True}],
-            adamw_defaults={"lr": 1e-2},
+            adamw_defaults={"lr": 1e-2, "fused": True},  # torch.optim.AdamW reads its step count otherwise
             stiefel_defaults={"lr": 5e-2, "qr_period": 3},
         )
 
@@ -580,8 +580,8 @@ def test_the_functional_step_is_the_optimizers_step(implementation):
     gen = torch.Generator().manual_seed(62)
     params = stiefel_params([(24, 4), (24, 4), (12, 2)], seed=63) + stiefel_params([(24, 4)], dtype=torch.bfloat16)
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = CayleyAdam(params, lr=0.02, qr_period=2)
-    holder = CayleyAdam(twins, lr=0.02)  # makes the state the functional step then moves
+    opt = CayleyAdam(params, lr=0.02, qr_period=2, implementation=implementation)
+    holder = CayleyAdam(twins, lr=0.02, implementation=implementation)  # makes the state the functional step moves
     constants = {}
     for step in range(4):
         set_random_grads(params, gen)
@@ -628,7 +628,7 @@ def test_the_copies_in_and_out_are_a_few_multi_tensor_kernels_whatever_the_numbe
     """The GPU run of issue 26 found the step bound by the host issuing kernels: a strided copy per matrix took
     hundreds of launches a step. Staged (as on an accelerator), each list copy must be one that CUDA runs as one
     multi-tensor kernel, and the ops of a step must not grow with the number of matrices in a bucket; both ways (the
-    CPU copies matrix by matrix), the step must give the same parameters and state."""
+    CPU steps matrix by matrix), the step must give the same parameters and state, to fp32 rounding."""
     gen = torch.Generator().manual_seed(60)
 
     def one_step(count: int) -> ForeachCopies:
@@ -663,7 +663,11 @@ def test_the_copies_in_and_out_are_a_few_multi_tensor_kernels_whatever_the_numbe
     copies_forced(other, not staged).step()
     copies_forced(opt, staged).step()
     for p, q in zip(params, twins):
-        torch.testing.assert_close(q, p, rtol=0, atol=0)
+        for key in ("master", "exp_avg"):  # a bf16 lora_B's point is its fp32 master
+            if key in opt.state[p]:
+                torch.testing.assert_close(other.state[q][key], opt.state[p][key], rtol=0, atol=1e-6)
+        ulp = torch.finfo(p.dtype).eps  # a bf16 master within 1e-6 rounds to the same value or to a neighbour
+        torch.testing.assert_close(q, p, rtol=ulp, atol=1e-6)
 
 
 def test_the_step_follows_the_old_step_and_loads_state_saved_by_it():
@@ -985,3 +989,127 @@ def test_a_loaded_state_owns_its_storage_apart_from_the_state_dict_it_came_from(
         for key, value in a.state[p].items():
             assert torch.equal(value, b.state[q][key]), key
             assert value.untyped_storage().data_ptr() != b.state[q][key].untyped_storage().data_ptr(), key
+
+
+# ---- the step captured as a CUDA graph, replayed on the CPU by tests/graph_replay.py -------------------------------
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    """Lets the CPU capture a step as a CUDA graph does (tests/graph_replay.py); yields the list of captures made."""
+    from graph_replay import capture
+
+    from fora_plugin.optim import cayley_adam as module
+
+    made = []
+
+    def counted(run, device):
+        made.append(device)
+        return capture(run, device)
+
+    monkeypatch.setitem(module.GRAPH_BACKENDS, "cpu", counted)
+    return made
+
+
+def captured_run_setup(kind, cuda_graph, seed=80):
+    """Parameters (Stiefel, plus an AdamW one for ``fora``) and an optimizer over them."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    params = stiefel_params([(32, 4), (32, 4), (12, 4), (20, 2)], seed=seed + 1, dtype=dtype)
+    groups = [{"params": params}]
+    if kind == "experts":
+        experts = [
+            torch.nn.Parameter(interleave([random_stiefel(16, 2, generator=gen) for _ in range(3)])) for _ in range(2)
+        ]
+        groups.append({"params": experts, "num_experts": 3})
+        params = params + experts
+    if kind == "fora":
+        a = torch.nn.Parameter(torch.randn(4, 8, generator=gen))
+        opt = FoRAOptimizer(
+            [{"params": [a]}, {**groups[0], "stiefel": True}],
+            adamw_defaults={"lr": 1e-2, "fused": True},  # torch.optim.AdamW reads its step count otherwise
+            stiefel_defaults={"lr": 0.05, "qr_period": 5, "cuda_graph": cuda_graph},
+        )
+        return params + [a], opt
+    return params, CayleyAdam(groups, lr=0.05, qr_period=5, cuda_graph=cuda_graph)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "experts", "fora"])
+def test_a_captured_step_is_the_eager_step(kind, captures):
+    """20 steps, eager against captured and replayed: an lr that changes every step, a non-finite gradient on one
+    matrix, periodic re-projection, a resume from a saved state and a cast of a lora_B after a step."""
+    from host_sync import HostSyncCounter
+
+    runs = {}
+    for cuda_graph in (False, True):
+        params, opt = captured_run_setup(kind, cuda_graph)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + 0.1 * step))
+        gen = torch.Generator().manual_seed(90)
+        syncs = 0
+        for step in range(20):
+            set_random_grads(params, gen)
+            if step == 7:
+                params[1].grad[2, 1] = float("nan")
+            if step == 10:  # a resume: a new optimizer loads the saved state
+                saved = copy.deepcopy(opt.state_dict())
+                opt = rebuilt(kind, params, cuda_graph)
+                opt.load_state_dict(saved)
+                schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.1 * s), last_epoch=step - 1)
+            if step == 14:  # a cast after a step: the state follows, and a captured step is captured anew
+                with torch.no_grad():
+                    params[0].data = params[0].data.to(torch.float32 if kind == "bf16" else torch.bfloat16)
+                params[0].grad = params[0].grad.to(params[0].dtype)
+            with HostSyncCounter() as counter:
+                opt.step()
+            syncs += counter.count
+            schedule.step()
+        stiefel = opt if isinstance(opt, CayleyAdam) else opt._delegates[True]
+        runs[cuda_graph] = (params, opt, syncs, stiefel.skipped_steps())
+    (eager, eager_opt, _, eager_skips), (replayed, replayed_opt, syncs, skips) = runs[False], runs[True]
+    assert syncs == 0
+    assert eager_skips == skips == 1
+    for p, q in zip(eager, replayed):
+        assert p.dtype == q.dtype
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
+        for key, value in eager_opt.state[p].items():
+            torch.testing.assert_close(replayed_opt.state[q][key], value, rtol=0, atol=1e-6)
+    # Each group captured after the warm-up and after the resume; the group of the cast lora_B after the cast too.
+    assert len(captures) == (5 if kind == "experts" else 3), captures
+
+
+def rebuilt(kind, params, cuda_graph):
+    """A new optimizer of ``kind`` over ``params`` (as a resumed run builds it)."""
+    stiefel = params[:-1] if kind == "fora" else params
+    if kind == "experts":
+        groups = [{"params": stiefel[:4]}, {"params": stiefel[4:], "num_experts": 3}]
+        return CayleyAdam(groups, lr=0.05, qr_period=5, cuda_graph=cuda_graph)
+    if kind == "fora":
+        return FoRAOptimizer(
+            [{"params": [params[-1]]}, {"params": stiefel, "stiefel": True}],
+            adamw_defaults={"lr": 1e-2, "fused": True},  # torch.optim.AdamW reads its step count otherwise
+            stiefel_defaults={"lr": 0.05, "qr_period": 5, "cuda_graph": cuda_graph},
+        )
+    return CayleyAdam([{"params": stiefel}], lr=0.05, qr_period=5, cuda_graph=cuda_graph)
+
+
+def test_a_capture_is_refused_where_no_graph_can_be_made():
+    params = stiefel_params([(16, 2)], seed=95)
+    opt = CayleyAdam(params, cuda_graph=True)
+    gen = torch.Generator().manual_seed(96)
+    set_random_grads(params, gen)
+    with pytest.raises(
+        ValueError, match=r"cuda_graph=True got parameters on cpu: a step can be captured on \['cuda'\]"
+    ):
+        opt.step()
+    with pytest.raises(TypeError, match=r"cuda_graph='yes' is invalid: use True, False or None"):
+        CayleyAdam(params, cuda_graph="yes")
+
+
+def test_eager_by_default_on_the_cpu_and_captured_by_default_on_cuda():
+    from fora_plugin.optim import resolve_cuda_graph
+
+    cpu = [torch.zeros(4, 2)]
+    assert resolve_cuda_graph(None, cpu) is False
+    assert resolve_cuda_graph(True, cpu) is True  # refused at the step, naming the device
+    meta = [torch.zeros(4, 2, device="meta")]
+    assert resolve_cuda_graph(None, meta) is False

@@ -14,6 +14,7 @@ from .cayley_adam import (
     CayleyAdam,
     init_cayley_adam_state,
     is_dtensor,
+    resolve_cuda_graph,
     resolve_implementation,
     stiefel_step_with_gradients,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "fora_optimizer_parts",
     "init_cayley_adam_state",
     "is_dtensor",
+    "resolve_cuda_graph",
     "resolve_implementation",
     "stiefel_step_with_gradients",
     "wrapped_optimizers",

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from ..adapter import expert_blocks
 from ..config import check_cayley_adam_settings
 from ..errors import FoRAInputError, FoRAInputTypeError
-from ..stiefel import cayley_span_step, cholesky_qr, qr_retraction, skew_generator
+from ..stiefel import cayley_span_step, cholesky_qr, inverse_cholesky_factor, qr_retraction, skew_generator
 from ..validation import check_choice, check_float, check_int
 
 
@@ -29,6 +29,8 @@ except ImportError:  # a torch build without torch.distributed
 
 
 __all__ = [
+    "GRAPH_BACKENDS",
+    "GRAPH_WARMUP_STEPS",
     "IMPLEMENTATIONS",
     "REPROJECT_THRESHOLD",
     "CayleyAdam",
@@ -42,6 +44,7 @@ __all__ = [
     "is_dtensor",
     "local_rows",
     "reduce_groups",
+    "resolve_cuda_graph",
     "resolve_implementation",
     "restore_compute_state",
     "stiefel_step_with_gradients",
@@ -64,14 +67,12 @@ _STATE_SCALAR_KEYS = ("exp_avg_sq", *_COUNTER_KEYS)
 
 
 def resolve_implementation(implementation: str | None, device: torch.device) -> str:
-    """The copy path of a bucket on ``device``: ``implementation`` where given, else ``"staged"`` on an accelerator
-    and ``"per_matrix"`` on the CPU.
+    """How the step reaches the matrices on ``device`` (:func:`cayley_adam`): ``implementation`` where given, else
+    ``"per_matrix"`` on the CPU and ``"staged"`` elsewhere.
 
-    ``torch._foreach_copy_`` takes its multi-tensor fast path only between dense tensors of equal strides, and a
-    block of [B, m] is strided: elsewhere it copies tensor by tensor. On an accelerator each of those copies is a
-    kernel launch (5 per matrix a step: hundreds in a step that issue 26 measured launch-bound on an H100), so the
-    stage pays there. On the CPU a copy is a loop iteration and the stage's extra pass over the bucket costs more than
-    it saves (10-15% of the step, bench/optimizer.py).
+    Matrix by matrix, each matrix is read where it lies and its reads stay in the cache, with no pass that copies it:
+    on a CPU, where an op costs microseconds of host time, that is the fastest. On an accelerator each op is a kernel
+    launch, and a few batched kernels per shape bucket (through a dense buffer) beat a dozen per matrix.
     """
     if implementation is not None:  # checked where it is given: CayleyAdam's groups, cayley_adam()'s argument
         return implementation
@@ -164,6 +165,11 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
     )
     if group.get("implementation") is not None:
         check_choice("implementation", group["implementation"], IMPLEMENTATIONS)
+    if group.get("cuda_graph") not in (None, True, False):
+        raise FoRAInputTypeError(
+            f"cuda_graph={group['cuda_graph']!r} is invalid: use True, False or None (captured where the parameters "
+            "are on CUDA)."
+        )
 
 
 def _check_stiefel_parameter(p: torch.Tensor, index: int, num_experts: int = 1) -> None:
@@ -233,8 +239,12 @@ class CayleyAdam(Optimizer):
             step is capped at 1/‖W‖_F so that the iteration contracts).
         cayley_iters: iterations of the fixed-point solver.
         num_experts: expert blocks per parameter (a group key; 1 for ordinary LoRA).
-        implementation: how the step copies each bucket of matrices, one of :data:`IMPLEMENTATIONS`; None (the
-            default) picks by device (:func:`resolve_implementation`). Every path gives the same bits.
+        implementation: how the step reaches the matrices, one of :data:`IMPLEMENTATIONS`; None (the default)
+            picks by device (:func:`resolve_implementation`). The paths agree to rounding.
+        cuda_graph: capture each group's step in a CUDA graph after :data:`GRAPH_WARMUP_STEPS` eager steps and
+            replay it at every later step: one launch from the host instead of one per kernel. None (the default):
+            where the parameters are on CUDA and not row-sharded (:func:`resolve_cuda_graph`); False: always eager
+            (debugging, the CPU). A cast, move or load of a parameter or its state is followed, then captured anew.
     """
 
     def __init__(
@@ -250,6 +260,7 @@ class CayleyAdam(Optimizer):
         num_experts: int = 1,
         *,
         implementation: str | None = None,
+        cuda_graph: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -261,9 +272,15 @@ class CayleyAdam(Optimizer):
             reproject_threshold=reproject_threshold,
             num_experts=num_experts,
             implementation=implementation,
+            cuda_graph=cuda_graph,
             stiefel=True,
             steps=0,
         )
+        # Kept on the optimizer, out of its state_dict: p -> what the step last left in p (_signature), the step's
+        # small constant tensors, and each group's captured step.
+        self._written: dict[torch.Tensor, tuple] = {}
+        self._constants: dict[tuple, Any] = {}
+        self._captures: dict[int, Any] = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -290,8 +307,10 @@ class CayleyAdam(Optimizer):
 
     def forget_writes(self) -> None:
         """Forget what the step last wrote into each parameter: the next step reconciles every parameter with its
-        state (a loaded master meets a parameter the step has not written, e.g. after ``load_state_dict``)."""
-        _last_writes(self).clear()
+        state (a loaded master meets a parameter the step has not written, e.g. after ``load_state_dict``), and
+        steps eagerly before it captures again."""
+        self._written.clear()
+        self._captures.clear()
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor that holds a Stiefel point or Cayley-Adam state, in a fixed order: what a broadcast of the
@@ -389,11 +408,6 @@ def stiefel_step_with_gradients(
 
 
 # ------------------------------------------------------------------------------------------------------ the state
-def _last_writes(optimizer: Optimizer) -> dict[torch.Tensor, tuple]:
-    """``p -> _signature(p)`` as the step last left each parameter (kept on the optimizer, out of its state_dict)."""
-    return optimizer.__dict__.setdefault("_fora_written", {})
-
-
 def _signature(p: torch.Tensor) -> tuple:
     """What the step last left in ``p``: its version counter (bumped by every in-place write), its storage, dtype
     and device. Host-side metadata only: reading it syncs nothing."""
@@ -405,9 +419,10 @@ def _signature(p: torch.Tensor) -> tuple:
     return local._version, local.untyped_storage()._cdata, p.dtype, p.device
 
 
-def _follow_parameter(state: dict[str, Any], p: torch.Tensor, last: tuple | None) -> None:
+def _follow_parameter(state: dict[str, Any], p: torch.Tensor, last: tuple | None) -> bool:
     """Bring ``p``'s state in line with ``p`` where something outside the step changed ``p`` since the step last
-    wrote it (``last``, its :func:`_signature` then; None if unknown, e.g. after ``load_state_dict``).
+    wrote it (``last``, its :func:`_signature` then; None if unknown, e.g. after ``load_state_dict``). Returns
+    whether anything was to be done (a captured step must then be captured again).
 
     - Moved (``.to(device)``): the state moves with it.
     - Cast (``.to(dtype)``): the state takes ``p``'s compute dtype; a ``p`` cast down from fp32 gets a master made
@@ -416,7 +431,7 @@ def _follow_parameter(state: dict[str, Any], p: torch.Tensor, last: tuple | None
       still equals the master rounded, the master's extra bits are kept, so a spurious refresh changes nothing.
     """
     if last == _signature(p):
-        return
+        return False
     device, dtype = p.device, compute_dtype(p)
     for key, value in list(state.items()):
         if isinstance(value, torch.Tensor):
@@ -436,20 +451,22 @@ def _follow_parameter(state: dict[str, Any], p: torch.Tensor, last: tuple | None
             local_rows(master).copy_(point)
     elif p.dtype != dtype:  # cast down from the compute dtype: the master starts from the values p holds now
         state["master"] = p.detach().to(dtype)
+    return True
 
 
 def _group_step(
-    optimizer: Optimizer,
+    optimizer: CayleyAdam,
     group: dict[str, Any],
     grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """One step of ``group``: its state made or brought in line with each parameter, then :func:`cayley_adam`."""
-    state = optimizer.state
-    written = _last_writes(optimizer)
+    """One step of ``group``: its state made or brought in line with each parameter, then :func:`cayley_adam`,
+    eagerly or by replaying the group's captured graph (:class:`_CapturedStep`)."""
+    state, written = optimizer.state, optimizer._written
     group["steps"] += 1
     num_experts = group.get("num_experts", 1)  # a group saved before per-expert blocks existed has no key
     period = group["qr_period"]
     params, param_grads = [], []
+    changed = False
     for p in group["params"]:
         grad = p.grad if grads is None else grads.get(p)
         if grad is None:
@@ -458,37 +475,172 @@ def _group_step(
             raise FoRAInputTypeError("CayleyAdam does not support sparse gradients.")
         if not state[p]:
             init_cayley_adam_state(state[p], p, num_experts)
+            changed = True
         else:
-            _follow_parameter(state[p], p, written.get(p))
+            changed |= _follow_parameter(state[p], p, written.get(p))
         if "reprojections" not in state[p]:  # a state saved before the counter existed
             state[p]["reprojections"] = torch.zeros_like(state[p]["skipped_steps"])
         params.append(p)
         param_grads.append(grad)
-    states = [state[p] for p in params]
+    if not params:
+        return
+    reproject_all = period > 0 and group["steps"] % period == 0
+    captured = _captured_step(optimizer, group, params, param_grads, changed)
+    if captured is not None:
+        captured.replay(param_grads, group["lr"], reproject_all)
+    else:
+        _step_eagerly(optimizer, group, params, param_grads, reproject_all)
+    for p in params:
+        written[p] = _signature(p)
+
+
+def _step_arguments(optimizer: CayleyAdam, group: dict[str, Any], params: list[torch.Tensor]) -> tuple:
+    """The state lists of ``params`` in :func:`cayley_adam`'s order, and its keyword arguments but lr and
+    reproject_all."""
+    states = [optimizer.state[p] for p in params]
+    lists = tuple([s[key] for s in states] for key in ("exp_avg", "exp_avg_sq", *_COUNTER_KEYS))
     beta1, beta2 = group["betas"]
-    cayley_adam(
-        params,
-        param_grads,
-        [s["exp_avg"] for s in states],
-        [s["exp_avg_sq"] for s in states],
-        [s["step"] for s in states],
-        [s["skipped_steps"] for s in states],
-        [s["reprojections"] for s in states],
-        [s.get("master") for s in states],
-        lr=group["lr"],
+    settings = dict(
         beta1=beta1,
         beta2=beta2,
         eps=group["eps"],
         cayley_solver=group["cayley_solver"],
         cayley_iters=group["cayley_iters"],
         reproject_threshold=group.get("reproject_threshold", REPROJECT_THRESHOLD),  # absent from older checkpoints
-        reproject_all=period > 0 and group["steps"] % period == 0,
-        num_experts=num_experts,
+        num_experts=group.get("num_experts", 1),
         implementation=group.get("implementation"),  # likewise
-        constants=optimizer.__dict__.setdefault("_fora_constants", {}),
+        constants=optimizer._constants,
     )
-    for p in params:
-        written[p] = _signature(p)
+    return (*lists, [s.get("master") for s in states]), settings
+
+
+def _step_eagerly(
+    optimizer: CayleyAdam,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    reproject_all: bool,
+) -> None:
+    lists, settings = _step_arguments(optimizer, group, params)
+    cayley_adam(params, grads, *lists, lr=group["lr"], reproject_all=reproject_all, **settings)
+
+
+# ------------------------------------------------------------------------------------------------------ captured
+def _capture_cuda(run: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """Capture ``run``'s kernels in a CUDA graph (nothing runs); return the function that replays them."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.device(device), torch.cuda.graph(graph):
+        run()
+    return graph.replay
+
+
+# device type -> how a step is captured there, ``capture(run, device) -> replay``. The tests add a stand-in for the
+# CPU that records the aten ops and replays them on the same tensors, as a CUDA graph does.
+GRAPH_BACKENDS: dict[str, Callable[[Callable[[], None], torch.device], Callable[[], None]]] = {"cuda": _capture_cuda}
+# Eager steps of a group before its step is captured: the first makes the state; the second runs every kernel once
+# outside a capture (cuBLAS and cuSOLVER set up their handles and workspaces on first use, which a capture forbids).
+GRAPH_WARMUP_STEPS = 2
+
+
+def resolve_cuda_graph(cuda_graph: bool | None, params: list[torch.Tensor]) -> bool:
+    """Whether a group's step is captured: ``cuda_graph`` where given, else where its parameters are on a device with
+    a graph backend (:data:`GRAPH_BACKENDS`: CUDA). Row-sharded DTensors always step eagerly: their step all-reduces,
+    which a captured graph would have to replay in lockstep with every rank."""
+    if cuda_graph is False or any(is_dtensor(p) for p in params):
+        return False
+    return cuda_graph is True or params[0].device.type in GRAPH_BACKENDS
+
+
+class _CapturedStep:
+    """One group's :func:`cayley_adam` captured once and replayed at each step.
+
+    A graph replays the same kernels on the same memory, so everything the step reads must stay where it was at the
+    capture: the parameters and their state (any change to them drops the capture, :func:`_captured_step`), the
+    gradients (copied into buffers of the capture's own, one multi-tensor copy: a trainer's ``zero_grad`` frees them
+    each step), and the learning rate and the periodic re-projection, which are device tensors written before each
+    replay, so a schedule changes them without a new capture.
+    """
+
+    def __init__(
+        self,
+        optimizer: CayleyAdam,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        key: tuple,
+    ) -> None:
+        self.key = key
+        device = params[0].device
+        self.grads = [torch.empty_like(g, memory_format=torch.contiguous_format) for g in grads]
+        # fp64, so an fp64 group's algebra gets the rate exactly; an fp32 one rounds it as it rounds a Python float.
+        self.lr = torch.zeros((), dtype=torch.float64, device=device)
+        self.reproject_all = torch.zeros((), dtype=torch.bool, device=device)
+        lists, settings = _step_arguments(optimizer, group, params)
+        # The constants are made before the capture: made inside it, they would hold nothing until its first replay.
+        betas = (settings["beta1"], settings["beta2"])
+        for p in params:
+            _Constants.cached(settings["constants"], [p], betas, settings["num_experts"])
+
+        def run() -> None:
+            cayley_adam(params, self.grads, *lists, lr=self.lr, reproject_all=self.reproject_all, **settings)
+
+        self._replay = GRAPH_BACKENDS[device.type](run, device)
+
+    def replay(self, grads: list[torch.Tensor], lr: float | torch.Tensor, reproject_all: bool) -> None:
+        torch._foreach_copy_(self.grads, grads)
+        self.lr.fill_(lr)
+        self.reproject_all.fill_(reproject_all)
+        self._replay()
+
+
+def _captured_step(
+    optimizer: CayleyAdam,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    changed: bool,
+) -> _CapturedStep | None:
+    """The group's captured step to replay now, captured now if need be; None: step eagerly this time."""
+    captures = optimizer._captures
+    if not resolve_cuda_graph(group.get("cuda_graph"), params):
+        if captures:
+            captures.pop(id(group), None)
+        return None
+    device = params[0].device
+    if device.type not in GRAPH_BACKENDS:
+        raise FoRAInputError(
+            f"CayleyAdam's cuda_graph=True got parameters on {device}: a step can be captured on "
+            f"{sorted(GRAPH_BACKENDS)} only. Leave cuda_graph unset (None: captured where it can be) or set it to "
+            "False."
+        )
+    if changed or group["steps"] <= GRAPH_WARMUP_STEPS:
+        # A state made, cast, moved or rewritten holds other tensors than the capture read: step eagerly, capture at
+        # the next step.
+        captures.pop(id(group), None)
+        return None
+    # What the capture depends on besides the tensors it reads in place: which parameters step, their gradients'
+    # layout, and the group's settings other than lr.
+    key = (
+        tuple(map(id, params)),
+        tuple((g.dtype, g.shape) for g in grads),
+        tuple(group[k] for k in _CAPTURED_GROUP_KEYS if k in group),
+    )
+    captured = captures.get(id(group))
+    if captured is None or captured.key != key:
+        captured = captures[id(group)] = _CapturedStep(optimizer, group, params, grads, key)
+    return captured
+
+
+# Group settings a captured step holds as they were at its capture (lr and the re-projection flag are tensors).
+_CAPTURED_GROUP_KEYS = (
+    "betas",
+    "eps",
+    "cayley_solver",
+    "cayley_iters",
+    "reproject_threshold",
+    "num_experts",
+    "implementation",
+)
 
 
 # ------------------------------------------------------------------------------------------------------ the step
@@ -502,14 +654,14 @@ def cayley_adam(
     reprojections: list[torch.Tensor],
     masters: list[torch.Tensor | None] | None = None,
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
     cayley_solver: str = "exact",
     cayley_iters: int = 5,
     reproject_threshold: float = REPROJECT_THRESHOLD,
-    reproject_all: bool = False,
+    reproject_all: bool | torch.Tensor = False,
     num_experts: int = 1,
     implementation: str | None = None,
     constants: dict | None = None,
@@ -525,22 +677,22 @@ def cayley_adam(
     - ``masters``: the compute-dtype copy of a low-precision parameter, which the step moves and then stores rounded
       in the parameter; None where the parameter is its own point (default: everywhere).
 
-    ``reproject_all``: re-project every matrix this step (:class:`CayleyAdam`'s ``qr_period``); ``num_experts``:
-    expert blocks per parameter; ``implementation``: the copy path, one of :data:`IMPLEMENTATIONS` or None (by
-    device, :func:`resolve_implementation`); ``constants``: a dict the caller keeps between steps for the step's
-    small constant tensors (None: made for this call).
+    ``lr``: a float, or a 0-dim tensor on the parameters' device (a captured step reads its rate from one);
+    ``reproject_all``: re-project every matrix this step (:class:`CayleyAdam`'s ``qr_period``), a bool or a 0-dim bool
+    tensor; ``num_experts``: expert blocks per parameter; ``implementation``: one of :data:`IMPLEMENTATIONS` or None
+    (by device, :func:`resolve_implementation`); ``constants``: a dict the caller keeps between steps for the step's
+    small constant tensors (None: made for this call). The step reads nothing back to the host.
 
-    Implementation paths. The step has one body (:func:`_bucket_step`); where paths differ, they are named:
-
-    - ``implementation``, the one choice, as torch's ``foreach``/``fused``: how a bucket's B, m and G are copied into
-      the step's (n, d, 2r) buffer and back. ``"per_matrix"``: one ``torch._foreach_copy_`` per list, matrix by
-      matrix. ``"staged"``: through a dense (count, d, r·E) stage, one multi-tensor copy and one strided copy of the
-      whole bucket. ``None`` is resolved per device by :func:`resolve_implementation`.
-    - row-sharded, set by the data: a bucket of DTensor ``lora_B`` sharded by rows (``Shard(0)``, as FSDP2's
-      ``fully_shard`` makes them) is stepped on its local rows; its Gram matrices and ‖G‖² are summed by one
-      all-reduce over :func:`reduce_groups`, every rank solves the same small systems and updates its own rows.
-    - expert blocks, set by the group's ``num_experts``: a fused-MoE ``lora_B`` (d_out, r·E) is E interleaved
-      Stiefel matrices, each a matrix of the buffer with its own scalars.
+    The step runs in three phases, so that the small algebra runs once for all matrices of one rank r, whatever their
+    shapes: (1) each matrix's first moment m is moved to β1 m + (1 − β1) G and the Gram matrix of [B, m] and ‖G‖² are
+    formed; (2) from those alone, one batched 2r x 2r computation gives each matrix's Δ; (3) [B, m] ← [B, m] (I + Δ).
+    ``implementation`` says how phases 1 and 3 reach the matrices: ``"per_matrix"`` (the CPU's default) works on each
+    matrix in its own storage, one after the other (each matrix's reads stay in the cache, and no pass copies it);
+    ``"staged"`` (an accelerator's) copies a shape bucket (:func:`bucket_key`) into a dense buffer and works on it in
+    batched products: a few kernels per bucket, whatever the number of matrices. A bucket of DTensor ``lora_B``
+    sharded by rows (``Shard(0)``, FSDP2's ``fully_shard``) works on its local rows, and the Gram matrices and ‖G‖²
+    are summed over the mesh (one all-reduce per mesh) before phase 2. A fused-MoE ``lora_B`` (d_out, r·E) is E
+    matrices (its interleaved expert blocks), each with its own scalars.
     """
     if implementation is not None:
         check_choice("implementation", implementation, IMPLEMENTATIONS)
@@ -550,109 +702,247 @@ def cayley_adam(
     settings = _Settings(
         lr, beta1, beta2, eps, cayley_solver, cayley_iters, reproject_threshold, reproject_all, num_experts
     )
+    cache = {} if constants is None else constants
+    # Buckets of one shape, then the buckets of one rank r (and compute dtype and device): the 2r x 2r algebra of
+    # each such set of buckets runs once.
     buckets: dict[tuple, list[int]] = defaultdict(list)
     for index, p in enumerate(params):
         buckets[bucket_key(p)].append(index)
-    cache = {} if constants is None else constants
-    # A bucket at a time: the step's scratch (4·d·r per matrix) is alive for one shape only, so a step's peak is its
-    # largest bucket's, not the sum over all of them.
+    by_rank: dict[tuple, list[list[int]]] = defaultdict(list)
+    for key, indices in buckets.items():
+        by_rank[(key[0][1] // num_experts, *key[1:3])].append(indices)
     lists = (params, local_grads, masters, exp_avgs, exp_avg_sqs, state_steps, skipped_steps, reprojections)
-    for indices in buckets.values():
-        _bucket_step(*([values[i] for i in indices] for values in lists), settings, implementation, cache)
+    for rank_buckets in by_rank.values():
+        _rank_step(
+            [[[values[i] for i in indices] for values in lists] for indices in rank_buckets],
+            settings,
+            cache,
+            implementation,
+        )
 
 
 class _Settings(NamedTuple):
     """The hyperparameters of one step."""
 
-    lr: float
+    lr: float | torch.Tensor
     beta1: float
     beta2: float
     eps: float
     cayley_solver: str
     cayley_iters: int
     reproject_threshold: float
-    reproject_all: bool
+    reproject_all: bool | torch.Tensor
     num_experts: int
 
 
-def _bucket_step(
+def _rank_step(buckets: list[list[list]], settings: _Settings, cache: dict, implementation: str | None) -> None:
+    """The step of the buckets of one rank r: each bucket is the lists of :func:`cayley_adam` for its matrices."""
+    first = buckets[0]
+    moment = local_rows(first[3][0])
+    dtype, device = moment.dtype, moment.device  # the compute dtype
+    E = settings.num_experts
+    constants = _Constants.cached(cache, first[0], (settings.beta1, settings.beta2), E)
+    implementation = resolve_implementation(implementation, device)
+    measure, update = _PHASES[implementation]
+    # Phase 1, a bucket at a time: only one bucket's scratch is alive at once.
+    measured = [measure(*bucket[:4], settings, constants) for bucket in buckets]
+    grams = [m[0] for m in measured]
+    grad_sqs = [m[1] for m in measured]
+    layouts = [reduce_groups(bucket[0][0]) for bucket in buckets]
+    for groups in dict.fromkeys(layouts):  # one all-reduce per mesh: every rank holds the same buckets
+        if not groups:
+            continue
+        members = [i for i, layout in enumerate(layouts) if layout == groups]
+        sums = torch.cat([torch.cat((grams[i].flatten(1), grad_sqs[i][:, None]), dim=1) for i in members])
+        all_reduce_sum(sums, groups)
+        for i, part in zip(members, sums.split([len(grad_sqs[i]) for i in members])):
+            grams[i], grad_sqs[i] = part[:, :-1].view_as(grams[i]), part[:, -1]
+    # Phase 2: the algebra of every matrix of the buckets at once.
+    gram, grad_sq = torch.cat(grams), torch.cat(grad_sqs)
+    n = grad_sq.shape[0]
+    scalar_lists = [[t for bucket in buckets for t in bucket[k]] for k in range(4, 8)]  # v, step, skipped, reproj
+    v, step, skipped, reprojected = (torch.stack(ts).reshape(n) for ts in scalar_lists)
+    counts = torch.stack((skipped, reprojected))  # (2, n)
+    finite = grad_sq < math.inf  # False for inf and nan (one op, where isfinite takes four)
+    delta = _cayley_adam_deltas(gram, grad_sq, finite, step, v, counts, settings, constants)
+    # Phase 3, a bucket at a time.
+    offsets = [0]
+    for g in grad_sqs:
+        offsets.append(offsets[-1] + len(g))
+    for bucket, (_, _, old_moments), start, stop in zip(buckets, measured, offsets, offsets[1:]):
+        update(bucket[0], bucket[2], bucket[3], delta[start:stop], finite[start:stop], old_moments, E, dtype)
+    scalar_shape = () if E == 1 else (E,)
+    for tensors, value in zip(scalar_lists, (v, step, counts[0], counts[1])):
+        torch._foreach_copy_(tensors, list(value.view(len(tensors), *scalar_shape).unbind(0)))
+
+
+def _points(params: list[torch.Tensor], masters: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The local rows of each matrix's point on the manifold: its master, or the parameter itself."""
+    return [local_rows(p if m is None else m) for p, m in zip(params, masters)]
+
+
+def _store_masters(params: list[torch.Tensor], masters: list[torch.Tensor | None]) -> None:
+    """Each low-precision parameter takes its master's new value, rounded."""
+    pairs = [(local_rows(p), local_rows(m)) for p, m in zip(params, masters) if m is not None]
+    if pairs:
+        torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+
+
+def _finite_gradient(G: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``G`` with every inf and NaN replaced by ± the dtype's largest value. A skipped matrix's first moment m + 0·(G −
+    m) is then m exactly, and the squared norm of the result still overflows to inf wherever ``G`` was not finite, so
+    one pass over ``G`` serves both (a finite ``G`` whose squared norm overflows is skipped as well, as before)."""
+    big = torch.finfo(G.dtype).max
+    return torch.nan_to_num(G, big, big, -big, out=out) if out is not None else G.nan_to_num_(big, big, -big)
+
+
+def _lerp_weights(grad_sq: torch.Tensor, constants: _Constants) -> torch.Tensor:
+    """(n, 1, 1): 1 − β1 for a matrix whose gradient is finite (on this rank's rows), 0 for one that skips."""
+    return torch.where(grad_sq < math.inf, constants.lerp_weight, constants.zero)[:, None, None]
+
+
+# ---- phases 1 and 3 matrix by matrix, each in its own storage (the CPU's)
+def _blocks(t: torch.Tensor, E: int, dtype: torch.dtype) -> torch.Tensor:
+    """The (E, d, r) matrices of ``t`` (d, r·E) in ``dtype``: a view of ``t`` where it already is one of that dtype (a
+    plain matrix), a copy otherwise (interleaved expert blocks, which products would copy anyway; a bf16 gradient)."""
+    if E == 1 and t.dtype == dtype:
+        return t.unsqueeze(0)
+    return expert_blocks(t, E).to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def _measure_per_matrix(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     masters: list[torch.Tensor | None],
     exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    state_steps: list[torch.Tensor],
-    skipped_steps: list[torch.Tensor],
-    reprojections: list[torch.Tensor],
     settings: _Settings,
-    implementation: str | None,
-    cache: dict,
-) -> None:
-    """The step of every matrix of one bucket (:func:`bucket_key`); ``grads`` are the local rows. A sum over rows is
-    all-reduced over :func:`reduce_groups` (none for plain tensors), once.
-
-    [B, m] of the bucket is copied into a scratch (n, d, 2r) buffer, stepped there by two batched products, and
-    copied back: parameters and moments keep their own storage (a parameter never aliases another one or the
-    optimizer's state), at the price of five passes over the bucket's matrices (G, B and m in; B and m out), small
-    beside the products (16·r flops per entry); staged, each pass is a few kernels whatever the number of matrices.
-    A fused-MoE lora_B's E interleaved expert blocks are E matrices of the buffer.
-    """
-    num_experts = settings.num_experts
-    points = [local_rows(p if m is None else m) for p, m in zip(params, masters)]  # (d_local, r·E), compute dtype
-    moments = [local_rows(t) for t in exp_avgs]
+    constants: _Constants,
+) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+    """Phase 1 for one bucket, matrix by matrix: the first moments moved in place, the Gram matrices of [B, m] (n, 2r,
+    2r) and ‖G‖² (n,) of this rank's rows. Under sharding, also the moments before the move (a matrix another rank
+    skips keeps them)."""
+    E = settings.num_experts
+    points, moments = _points(params, masters), [local_rows(t) for t in exp_avgs]
     dtype, device = moments[0].dtype, moments[0].device
-    n, d, r = len(params) * num_experts, points[0].shape[0], points[0].shape[1] // num_experts
-    groups = reduce_groups(params[0])
-    sharded = bool(groups)
-    gather, scatter = _COPIES[resolve_implementation(implementation, device)]
-    constants = _Constants.cached(cache, r, dtype, device, (settings.beta1, settings.beta2))
+    n, d, r = len(params) * E, points[0].shape[0], points[0].shape[1] // E
+    sharded = bool(reduce_groups(params[0]))
+    # The blocks BᵀB, Bᵀm, mᵀm (3, n, r, r) of each Gram matrix, written whole: a product into a strided block of
+    # one (n, 2r, 2r) tensor would go through a copy (and break a compiled graph).
+    blocks = torch.empty((3, n, r, r), dtype=dtype, device=device)
+    grad_sq = torch.empty(n, dtype=dtype, device=device)
+    scratch = torch.empty((1, d, r), dtype=dtype, device=device)  # a gradient made finite, where not a copy
+    old_moments = [] if sharded else None
+    for i, (B, m, G) in enumerate(zip(points, moments, grads)):
+        rows = slice(i * E, (i + 1) * E)
+        view = E == 1 and G.dtype == dtype  # else _blocks copies
+        G = _blocks(G, E, dtype)  # (E, d, r)
+        G = _finite_gradient(G, out=scratch if view else None)
+        torch.linalg.vector_norm(G, dim=(1, 2), out=grad_sq[rows])  # its square is inf if any entry of G was not finite
+        M = _blocks(m, E, dtype)
+        if sharded:
+            old_moments.append(M.clone())
+        M.lerp_(G, _lerp_weights(grad_sq[rows].square(), constants))  # m_{t+1}; a skipped matrix keeps m_t: m + 0·G
+        if E > 1:
+            expert_blocks(m, E).copy_(M)
+        B = _blocks(B, E, dtype)
+        torch.bmm(B.mT, B, out=blocks[0, rows])
+        torch.bmm(B.mT, M, out=blocks[1, rows])
+        torch.bmm(M.mT, M, out=blocks[2, rows])
+    gram = torch.cat((torch.cat((blocks[0], blocks[1]), dim=2), torch.cat((blocks[1].mT, blocks[2]), dim=2)), dim=1)
+    return gram, grad_sq.square_(), old_moments
 
+
+def _update_per_matrix(
+    params: list[torch.Tensor],
+    masters: list[torch.Tensor | None],
+    exp_avgs: list[torch.Tensor],
+    delta: torch.Tensor,
+    finite: torch.Tensor,
+    old_moments: list | None,
+    E: int,
+    dtype: torch.dtype,
+) -> None:
+    """Phase 3 for one bucket, matrix by matrix: [B, m] ← [B, m] + [B, m] Δ, Δ (n, 2r, 2r)."""
+    points, moments = _points(params, masters), [local_rows(t) for t in exp_avgs]
+    d, r = points[0].shape[0], points[0].shape[1] // E
+    # [B, m] Δ of one matrix, its two halves apart: each is then added to a dense tensor (5% faster than halves of
+    # one (E, d, 2r) product on a CPU, where the adds read their operands from memory).
+    step_b, step_m = torch.empty((2, E, d, r), dtype=dtype, device=delta.device)
+    for i, (point, moment) in enumerate(zip(points, moments)):
+        rows = slice(i * E, (i + 1) * E)
+        B, M = _blocks(point, E, dtype), _blocks(moment, E, dtype)
+        torch.bmm(B, delta[rows, :r, :r], out=step_b).baddbmm_(M, delta[rows, r:, :r])
+        torch.bmm(B, delta[rows, :r, r:], out=step_m).baddbmm_(M, delta[rows, r:, r:])
+        # The step is added to [B, m], never formed as [B, m] (I + Δ): B_{t+1} − B_t is small, and adding it keeps
+        # the fp32 drift from the manifold ~10x lower.
+        B.add_(step_b)
+        M.add_(step_m)
+        if old_moments is not None:  # a matrix skipped on another rank's rows keeps m_t
+            torch.where(finite[rows, None, None], M, old_moments[i], out=M)
+        if E > 1:
+            expert_blocks(point, E).copy_(B)
+            expert_blocks(moment, E).copy_(M)
+    _store_masters(params, masters)
+
+
+# ---- phases 1 and 3 through a dense buffer per bucket (an accelerator's)
+def _measure_staged(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    masters: list[torch.Tensor | None],
+    exp_avgs: list[torch.Tensor],
+    settings: _Settings,
+    constants: _Constants,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Phase 1 for one bucket through a dense (n, d, 2r) buffer [B, m]: as :func:`_measure_per_matrix`."""
+    E = settings.num_experts
+    points, moments = _points(params, masters), [local_rows(t) for t in exp_avgs]
+    dtype, device = moments[0].dtype, moments[0].device
+    n, d, r = len(params) * E, points[0].shape[0], points[0].shape[1] // E
     P = torch.empty((n, d, 2 * r), dtype=dtype, device=device)  # [B, m]
-    Q = torch.empty_like(P)  # G, then [B_{t+1}, m_{t+1}]
-    # G in the first half of Q, a contiguous (n, d, r) tensor: the passes over G run several times faster on it than
-    # on a strided half (8x for the norm). The product that writes Q comes after the last read of G.
-    half = Q.numel() // 2
-    G = Q.view(-1)[:half].view(n, d, r)
-    gather(G, grads, Q.view(-1)[half:], num_experts)  # in the compute dtype
-    gather(P[..., :r], points, Q.view(-1)[half:], num_experts)  # Q's second half is free until the product
-    gather(P[..., r:], moments, Q.view(-1)[half:], num_experts)
-    grad_sq = torch.linalg.vector_norm(G.view(n, -1), dim=-1).square()  # (n,) of the local rows: inf/nan if any is
-    G.nan_to_num_(0.0, 0.0, 0.0)  # keeps the Gram matrices finite; a skipped matrix keeps m_t: m + 0·(G − m)
+    G = torch.empty((n, d, r), dtype=dtype, device=device)
+    stage = torch.empty(n * d * r, dtype=dtype, device=device)
+    _gather(G, grads, stage, E)  # in the compute dtype
+    _finite_gradient(G)
+    grad_sq = torch.linalg.vector_norm(G.view(n, -1), dim=-1).square()  # (n,) inf if any entry of G was not finite
+    _gather(P[..., :r], points, stage, E)
+    _gather(P[..., r:], moments, stage, E)
+    old_moments = P[..., r:].clone() if reduce_groups(params[0]) else None
+    P[..., r:].lerp_(G, _lerp_weights(grad_sq, constants))  # m_{t+1}
+    _scatter(moments, P[..., r:], stage, E)
+    return P.mT @ P, grad_sq, old_moments  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
 
-    def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:  # (n,)
-        return torch.stack(tensors).reshape(n)
 
-    step, v = stacked(state_steps), stacked(exp_avg_sqs)
-    counts = torch.stack((stacked(skipped_steps), stacked(reprojections)))  # (2, n)
-    if sharded:
-        # A skip (a non-finite ‖G‖² on any rank) is only known after the all-reduce: m_{t+1} is formed for every
-        # matrix, and m_t kept for the skipped ones.
-        m_old = P[..., r:].clone()
-        P[..., r:].lerp_(G, constants.lerp_weight)
-        gram = P.mT @ P  # (n, 2r, 2r) of the local rows
-        sums = torch.cat((gram.reshape(n, -1), grad_sq[:, None]), dim=1)  # (n, 4r² + 1): one all-reduce
-        all_reduce_sum(sums, groups)
-        gram, grad_sq = sums[:, :-1].reshape(n, 2 * r, 2 * r), sums[:, -1]
-        finite = grad_sq < math.inf  # (n,) the same on every rank
-    else:
-        finite = grad_sq < math.inf  # False for inf and nan (one op, where isfinite takes four)
-        P[..., r:].lerp_(G, torch.where(finite, constants.lerp_weight, constants.zero)[:, None, None])  # m_{t+1}
-        gram = P.mT @ P  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
-    T = constants.eye.repeat(n, 1, 1)
-    delta = _cayley_adam_deltas(gram, grad_sq, finite, step, v, counts, T, settings, constants)
-    torch.baddbmm(P, P, delta, out=Q)  # [B_{t+1}, m_{t+1}] = [B_t, m] (I + Δ)
-    B_next, m_next = Q[..., :r], Q[..., r:]
-    if sharded:
-        m_next = torch.where(finite[:, None, None], m_next, m_old)
-    scatter(points, B_next, P.view(-1)[: P.numel() // 2], num_experts)  # P is free once the product has read it
-    scatter(moments, m_next, P.view(-1)[: P.numel() // 2], num_experts)
-    low_precision = [(local_rows(p), local_rows(m)) for p, m in zip(params, masters) if m is not None]
-    if low_precision:
-        torch._foreach_copy_([p for p, _ in low_precision], [m for _, m in low_precision])  # the master rounded
-    scalar_shape = () if num_experts == 1 else (num_experts,)
-    scalars = ((exp_avg_sqs, v), (state_steps, step), (skipped_steps, counts[0]), (reprojections, counts[1]))
-    for tensors, value in scalars:
-        torch._foreach_copy_(tensors, list(value.view(len(params), *scalar_shape).unbind(0)))
+def _update_staged(
+    params: list[torch.Tensor],
+    masters: list[torch.Tensor | None],
+    exp_avgs: list[torch.Tensor],
+    delta: torch.Tensor,
+    finite: torch.Tensor,
+    old_moments: torch.Tensor | None,
+    E: int,
+    dtype: torch.dtype,
+) -> None:
+    """Phase 3 for one bucket through a dense (n, d, 2r) buffer: as :func:`_update_per_matrix`."""
+    points, moments = _points(params, masters), [local_rows(t) for t in exp_avgs]
+    n, d, r = delta.shape[0], points[0].shape[0], points[0].shape[1] // E
+    P = torch.empty((n, d, 2 * r), dtype=dtype, device=delta.device)
+    stage = torch.empty(n * d * r, dtype=dtype, device=delta.device)
+    _gather(P[..., :r], points, stage, E)
+    _gather(P[..., r:], moments, stage, E)
+    Q = torch.baddbmm(P, P, delta)  # [B_{t+1}, m_{t+1}] = [B, m] + [B, m] Δ
+    if old_moments is not None:  # a matrix skipped on another rank's rows keeps m_t
+        Q[..., r:].copy_(torch.where(finite[:, None, None], Q[..., r:], old_moments))
+    _scatter(points, Q[..., :r], stage, E)
+    _scatter(moments, Q[..., r:], stage, E)
+    _store_masters(params, masters)
+
+
+# implementation -> (phase 1, phase 3)
+_PHASES: dict[str, tuple[Callable, Callable]] = {
+    "per_matrix": (_measure_per_matrix, _update_per_matrix),
+    "staged": (_measure_staged, _update_staged),
+}
 
 
 def _cayley_adam_deltas(
@@ -662,14 +952,12 @@ def _cayley_adam_deltas(
     step: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     counts: torch.Tensor,
-    T: torch.Tensor,
     settings: _Settings,
     constants: _Constants,
 ) -> torch.Tensor:
     """Δ (N, 2r, 2r) with [B_{t+1}, m_{t+1}] = [B_t, m] (I + Δ), from the Gram matrices of [B_t, m] (N, 2r, 2r),
     m = β1 m_t + (1 − β1) G, and ‖G‖² (N,); ``step``, ``exp_avg_sq`` (N,) and ``counts`` (2, N: skipped steps,
-    re-projections) are updated in place. ``T`` (N, 2r, 2r) is identity outside its B block, which the step writes.
-    A skipped matrix (``finite`` False) gets Δ = 0. 2r x 2r algebra only.
+    re-projections) are updated in place. A skipped matrix (``finite`` False) gets Δ = 0. 2r x 2r algebra only.
     """
     eye = constants.eye  # (2r, 2r)
     step.add_(finite)
@@ -680,31 +968,39 @@ def _cayley_adam_deltas(
     r = gram.shape[-1] // 2
     gram_b = gram[:, :r, :r]  # (N, r, r) BᵀB
     drifting = torch.linalg.matrix_norm(gram_b - eye[:r, :r]) > settings.reproject_threshold
-    factor, info = torch.linalg.cholesky_ex(gram_b)
-    factored = (info == 0) & finite
+    r_inv, factored = inverse_cholesky_factor(gram_b)  # (N, r, r), (N,)
+    factored &= finite
     reprojected = drifting & factored  # the counter: drift, not the periodic re-projection
     counts.add_(torch.stack((~finite, reprojected)))
-    project = factored if settings.reproject_all else reprojected
-    r_inv = torch.linalg.solve_triangular(factor.mT, eye[:r, :r].expand_as(gram_b), upper=True)  # (N, r, r)
+    if isinstance(settings.reproject_all, torch.Tensor):
+        project = torch.where(settings.reproject_all, factored, reprojected)
+    else:
+        project = factored if settings.reproject_all else reprojected
     # T = diag(R⁻¹, I) where projected, I elsewhere (an unfactored R⁻¹ may hold inf/nan: a select, not a product).
-    T[:, :r, :r].copy_(torch.where(project[:, None, None], r_inv, eye[:r, :r]))
-    gram = T.mT @ gram @ T
+    r_inv = torch.where(project[:, None, None], r_inv, eye[:r, :r])  # (N, r, r)
+    # Tᵀ gram T, block by block: [[R⁻ᵀ BᵀB R⁻¹, R⁻ᵀ Bᵀm], [mᵀB R⁻¹, mᵀm]].
+    top = r_inv.mT @ gram[:, :r]  # (N, r, 2r)
+    top[:, :, :r] = top[:, :, :r] @ r_inv
+    gram = torch.cat((top, torch.cat((top[:, :, r:].mT, gram[:, r:, r:]), dim=-1)), dim=-2)
 
     # W is linear in m, so the bias-corrected W(m̂)/(√v̂ + ε) step of size lr is a step of size τ along W(m).
     bias = 1 - torch.pow(constants.betas, step)  # (2, N): 1 − β1^t, 1 − β2^t
     denominator = (exp_avg_sq / bias[1]).sqrt_().add_(settings.eps).mul_(bias[0])  # (N,)
     # τ/2 = lr/2 · (1/denominator); the denominator is 0 only if v = 0 and eps = 0: every gradient so far was 0 (so
     # m = 0), no move rather than 0/0 = NaN.
-    tau_per_lr = denominator.reciprocal_().nan_to_num_(0.0, 0.0, 0.0)
-    omega = skew_generator(gram, skew_basis=constants.skew_basis)  # (N, 2r, 2r)
-    solver, iters = settings.cayley_solver, settings.cayley_iters
-    z = cayley_span_step(omega, tau_per_lr, solver=solver, iters=iters, eye=eye, scale=settings.lr / 2)
+    half_tau = denominator.reciprocal_().nan_to_num_(0.0, 0.0, 0.0).mul_(settings.lr * 0.5)
+    omega = skew_generator(gram)  # (N, 2r, 2r)
+    z = cayley_span_step(omega, half_tau, solver=settings.cayley_solver, iters=settings.cayley_iters, eye=eye)
     # In the projected basis [B R⁻¹, m]: B_{t+1} = B R⁻¹ + [B R⁻¹, m] z, and the first moment becomes W(m) B_{t+1} =
     # [B R⁻¹, m] Ω (e_B + z), its tangent part carried to the new point. So with C = [z, Ω (e_B + z)],
-    # [B_{t+1}, m_{t+1}] = [B, m] (T C + [T e_B, 0]) and Δ = T C + [T e_B, 0] − I. The small step z is added to B,
-    # never formed as e_B + z: that keeps the fp32 drift from the manifold ~10x lower.
-    moved = torch.baddbmm(omega[..., : z.shape[-1]], omega, z)  # Ω (e_B + z)
-    delta = torch.baddbmm(torch.addcmul(constants.neg_eye, T, constants.left), T, torch.cat((z, moved), dim=-1))
+    # [B_{t+1}, m_{t+1}] = [B, m] (T C + [T e_B, 0]) and Δ = T C + [T e_B, 0] − I: in blocks, Δ's top rows are
+    # R⁻¹ C_top + [R⁻¹ − I, 0] and its bottom rows C_bottom − [0, I]. The small step z is added to B, never formed as
+    # e_B + z: that keeps the fp32 drift from the manifold ~10x lower.
+    moved = torch.baddbmm(omega[..., :r], omega, z)  # Ω (e_B + z)
+    C = torch.cat((z, moved), dim=-1)  # (N, 2r, 2r)
+    top = r_inv @ C[:, :r]  # (N, r, 2r)
+    top[:, :, :r] += r_inv - eye[:r, :r]
+    delta = torch.cat((top, C[:, r:] - eye[r:]), dim=-2)
     return torch.where(finite[:, None, None], delta, constants.zero)  # a skipped matrix: B and m stay bit for bit
 
 
@@ -716,28 +1012,25 @@ class _Constants:
         # Factories, not torch.tensor(data, device=): that is a host-to-device copy on an accelerator.
         self.betas = torch.full((2, 1), betas[0], dtype=dtype, device=device)  # (2, 1): β1, β2
         self.betas[1] = betas[1]
-        self.neg_eye = -self.eye
-        self.left = torch.zeros_like(self.eye)  # (2r, 2r): 1 in the B columns, T · left = [T e_B, 0]
-        self.left[:, :r] = 1.0
         self.lerp_weight = torch.full((), 1 - betas[0], dtype=dtype, device=device)  # the first moment's 1 − β1
         self.zero = torch.zeros((), dtype=dtype, device=device)
-        self.skew_basis = torch.zeros_like(self.eye)  # J = [[0, −I], [I, 0]], see skew_generator
-        self.skew_basis.diagonal(offset=r).fill_(-1.0)
-        self.skew_basis.diagonal(offset=-r).fill_(1.0)
 
     @classmethod
     def cached(
-        cls, cache: dict, r: int, dtype: torch.dtype, device: torch.device, betas: tuple[float, float]
+        cls, cache: dict, params: list[torch.Tensor], betas: tuple[float, float], num_experts: int
     ) -> _Constants:
-        key = (r, dtype, device, tuple(betas))
+        """The constants of ``params[0]``'s rank, compute dtype and device, from ``cache`` or made into it."""
+        p = params[0]
+        key = (p.shape[1] // num_experts, compute_dtype(p), p.device, tuple(betas))
         if key not in cache:
-            cache[key] = cls(r, dtype, device, betas)
+            cache[key] = cls(key[0], key[1], key[2], betas)
         return cache[key]
 
 
 # ------------------------------------------------------------------------------------------------------ the copies
-# Between the parameters (and their moments) and the bucket's (n, d, r) blocks, one pair of functions per
-# implementation (resolve_implementation says which pays where).
+# Between the parameters (and their moments) and a bucket's dense (n, d, r) blocks: through a dense (count, d, r·E)
+# stage, one multi-tensor copy and one strided copy of the whole bucket, where a pair of tensors would not be dense
+# with equal strides (torch._foreach_copy_ runs as one kernel only on such pairs; each other pair is a kernel).
 def _staged(stage: torch.Tensor, tensors: list[torch.Tensor], num_experts: int) -> tuple[list, torch.Tensor]:
     """The first words of the 1-D ``stage`` as dense (d, r·E) slots, one per tensor, and as their expert blocks
     (count, E, d, r) in :func:`~fora_plugin.adapter.expert_blocks`' column order (e, e + E, ...)."""
@@ -746,52 +1039,21 @@ def _staged(stage: torch.Tensor, tensors: list[torch.Tensor], num_experts: int) 
     return list(flat.unbind(0)), flat.view(len(tensors), d, width // num_experts, num_experts).permute(0, 3, 1, 2)
 
 
-def _per_matrix(blocks: torch.Tensor, tensors: list[torch.Tensor], num_experts: int) -> tuple[list, list]:
-    """``blocks`` (n, d, r) as one entry per tensor, and each (d, r·E) tensor as its blocks: pairs to copy."""
-    if num_experts == 1:
-        return list(blocks.unbind(0)), tensors
-    return list(blocks.split(num_experts)), [expert_blocks(t, num_experts) for t in tensors]
-
-
-def _gather_per_matrix(
-    blocks: torch.Tensor, tensors: list[torch.Tensor], stage: torch.Tensor, num_experts: int
-) -> None:
-    """``blocks`` (n, d, r), n = len(tensors)·E, takes the E expert blocks of each (d, r·E) tensor, tensor by
-    tensor (``stage`` unused)."""
-    torch._foreach_copy_(*_per_matrix(blocks, tensors, num_experts))
-
-
-def _scatter_per_matrix(
-    tensors: list[torch.Tensor], blocks: torch.Tensor, stage: torch.Tensor, num_experts: int
-) -> None:
-    """The inverse of :func:`_gather_per_matrix`: each (d, r·E) tensor takes its E blocks of ``blocks`` (n, d, r)."""
-    sources, destinations = _per_matrix(blocks, tensors, num_experts)
-    torch._foreach_copy_(destinations, sources)
-
-
-def _gather_staged(blocks: torch.Tensor, tensors: list[torch.Tensor], stage: torch.Tensor, num_experts: int) -> None:
-    """As :func:`_gather_per_matrix`, through ``stage`` (1-D, at least n·d·r words) where a pair would be strided."""
-    if num_experts == 1 and blocks.is_contiguous():  # dense pairs of equal strides: already one multi-tensor copy
-        _gather_per_matrix(blocks, tensors, stage, num_experts)
+def _gather(blocks: torch.Tensor, tensors: list[torch.Tensor], stage: torch.Tensor, num_experts: int) -> None:
+    """``blocks`` (n, d, r), n = len(tensors)·E, takes the E expert blocks of each (d, r·E) tensor."""
+    if num_experts == 1 and blocks.is_contiguous():  # dense pairs of equal strides: one multi-tensor copy
+        torch._foreach_copy_(list(blocks.unbind(0)), tensors)
         return
     slots, staged = _staged(stage, tensors, num_experts)
     torch._foreach_copy_(slots, tensors)
     blocks.unflatten(0, staged.shape[:2]).copy_(staged)
 
 
-def _scatter_staged(tensors: list[torch.Tensor], blocks: torch.Tensor, stage: torch.Tensor, num_experts: int) -> None:
-    """The inverse of :func:`_gather_staged`."""
+def _scatter(tensors: list[torch.Tensor], blocks: torch.Tensor, stage: torch.Tensor, num_experts: int) -> None:
+    """The inverse of :func:`_gather`: each (d, r·E) tensor takes its E blocks of ``blocks`` (n, d, r)."""
     if num_experts == 1 and blocks.is_contiguous():
-        _scatter_per_matrix(tensors, blocks, stage, num_experts)
+        torch._foreach_copy_(tensors, list(blocks.unbind(0)))
         return
     slots, staged = _staged(stage, tensors, num_experts)
     staged.copy_(blocks.unflatten(0, staged.shape[:2]))
     torch._foreach_copy_(tensors, slots)
-
-
-_Copy = Callable[..., None]
-# implementation -> (gather, scatter)
-_COPIES: dict[str, tuple[_Copy, _Copy]] = {
-    "per_matrix": (_gather_per_matrix, _scatter_per_matrix),
-    "staged": (_gather_staged, _scatter_staged),
-}
