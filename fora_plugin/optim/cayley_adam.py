@@ -797,8 +797,9 @@ def _finite_gradient(G: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 
 
 def _lerp_weights(grad_sq: torch.Tensor, constants: _Constants) -> torch.Tensor:
-    """(n, 1, 1): 1 − β1 for a matrix whose gradient is finite (on this rank's rows), 0 for one that skips."""
-    return torch.where(grad_sq < math.inf, constants.lerp_weight, constants.zero)[:, None, None]
+    """``grad_sq``'s shape: 1 − β1 for a matrix whose gradient is finite (on this rank's rows), 0 for one that
+    skips."""
+    return torch.where(grad_sq < math.inf, constants.lerp_weight, constants.zero)
 
 
 # ---- phases 1 and 3 matrix by matrix, each in its own storage (the CPU's)
@@ -826,30 +827,31 @@ def _measure_per_matrix(
     dtype, device = moments[0].dtype, moments[0].device
     n, d, r = len(params) * E, points[0].shape[0], points[0].shape[1] // E
     sharded = bool(reduce_groups(params[0]))
-    # The blocks BᵀB, Bᵀm, mᵀm (3, n, r, r) of each Gram matrix, written whole: a product into a strided block of
-    # one (n, 2r, 2r) tensor would go through a copy (and break a compiled graph).
+    # Each matrix's outputs are views made in one op per kind before the loop (an op costs microseconds on a CPU):
+    # ‖G‖ (n, 1, 1), and the blocks BᵀB, Bᵀm, mᵀm (n, r, r) of each Gram matrix, each written whole (a product into
+    # a strided block of one (n, 2r, 2r) tensor would go through a copy, and break a compiled graph).
+    norms = torch.empty((n, 1, 1), dtype=dtype, device=device)
     blocks = torch.empty((3, n, r, r), dtype=dtype, device=device)
-    grad_sq = torch.empty(n, dtype=dtype, device=device)
+    outputs = zip(norms.split(E), *(b.split(E) for b in blocks))
     scratch = torch.empty((1, d, r), dtype=dtype, device=device)  # a gradient made finite, where not a copy
     old_moments = [] if sharded else None
-    for i, (B, m, G) in enumerate(zip(points, moments, grads)):
-        rows = slice(i * E, (i + 1) * E)
+    for B, m, G, (norm, btb, btm, mtm) in zip(points, moments, grads, outputs):
         view = E == 1 and G.dtype == dtype  # else _blocks copies
-        G = _blocks(G, E, dtype)  # (E, d, r)
-        G = _finite_gradient(G, out=scratch if view else None)
-        torch.linalg.vector_norm(G, dim=(1, 2), out=grad_sq[rows])  # its square is inf if any entry of G was not finite
+        G = _finite_gradient(_blocks(G, E, dtype), out=scratch if view else None)  # (E, d, r)
+        torch.linalg.vector_norm(G, dim=(1, 2), keepdim=True, out=norm)  # squared: inf if G was not finite
         M = _blocks(m, E, dtype)
         if sharded:
             old_moments.append(M.clone())
-        M.lerp_(G, _lerp_weights(grad_sq[rows].square(), constants))  # m_{t+1}; a skipped matrix keeps m_t: m + 0·G
+        M.lerp_(G, _lerp_weights(norm.square(), constants))  # m_{t+1}; a skipped matrix keeps m_t: m + 0·G
         if E > 1:
             expert_blocks(m, E).copy_(M)
         B = _blocks(B, E, dtype)
-        torch.bmm(B.mT, B, out=blocks[0, rows])
-        torch.bmm(B.mT, M, out=blocks[1, rows])
-        torch.bmm(M.mT, M, out=blocks[2, rows])
+        Bt = B.mT
+        torch.bmm(Bt, B, out=btb)
+        torch.bmm(Bt, M, out=btm)
+        torch.bmm(M.mT, M, out=mtm)
     gram = torch.cat((torch.cat((blocks[0], blocks[1]), dim=2), torch.cat((blocks[1].mT, blocks[2]), dim=2)), dim=1)
-    return gram, grad_sq.square_(), old_moments
+    return gram, norms.view(n).square_(), old_moments
 
 
 def _update_per_matrix(
@@ -868,17 +870,18 @@ def _update_per_matrix(
     # [B, m] Δ of one matrix, its two halves apart: each is then added to a dense tensor (5% faster than halves of
     # one (E, d, 2r) product on a CPU, where the adds read their operands from memory).
     step_b, step_m = torch.empty((2, E, d, r), dtype=dtype, device=delta.device)
-    for i, (point, moment) in enumerate(zip(points, moments)):
-        rows = slice(i * E, (i + 1) * E)
+    quarters = [q.split(E) for q in (delta[:, :r, :r], delta[:, r:, :r], delta[:, :r, r:], delta[:, r:, r:])]
+    keep = finite.view(-1, 1, 1).split(E) if old_moments is not None else [None] * len(points)
+    for i, (point, moment, (bb, mb, bm, mm), kept) in enumerate(zip(points, moments, zip(*quarters), keep)):
         B, M = _blocks(point, E, dtype), _blocks(moment, E, dtype)
-        torch.bmm(B, delta[rows, :r, :r], out=step_b).baddbmm_(M, delta[rows, r:, :r])
-        torch.bmm(B, delta[rows, :r, r:], out=step_m).baddbmm_(M, delta[rows, r:, r:])
+        torch.bmm(B, bb, out=step_b).baddbmm_(M, mb)
+        torch.bmm(B, bm, out=step_m).baddbmm_(M, mm)
         # The step is added to [B, m], never formed as [B, m] (I + Δ): B_{t+1} − B_t is small, and adding it keeps
         # the fp32 drift from the manifold ~10x lower.
         B.add_(step_b)
         M.add_(step_m)
-        if old_moments is not None:  # a matrix skipped on another rank's rows keeps m_t
-            torch.where(finite[rows, None, None], M, old_moments[i], out=M)
+        if kept is not None:  # a matrix skipped on another rank's rows keeps m_t
+            torch.where(kept, M, old_moments[i], out=M)
         if E > 1:
             expert_blocks(point, E).copy_(B)
             expert_blocks(moment, E).copy_(M)
@@ -908,7 +911,7 @@ def _measure_staged(
     _gather(P[..., :r], points, stage, E)
     _gather(P[..., r:], moments, stage, E)
     old_moments = P[..., r:].clone() if reduce_groups(params[0]) else None
-    P[..., r:].lerp_(G, _lerp_weights(grad_sq, constants))  # m_{t+1}
+    P[..., r:].lerp_(G, _lerp_weights(grad_sq[:, None, None], constants))  # m_{t+1}
     _scatter(moments, P[..., r:], stage, E)
     return P.mT @ P, grad_sq, old_moments  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
 
