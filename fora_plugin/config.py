@@ -136,6 +136,14 @@ class FoRAConfig:
         default=5,
         metadata={"help": "Iterations of the fixed-point Cayley solver (paper: 5)."},
     )
+    cuda_graph: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Capture Cayley-Adam's step in a CUDA graph after two eager steps and replay it (one launch "
+            "instead of one per kernel). None: on where lora_B is on CUDA and not row-sharded by FSDP2; false: always "
+            "eager (debugging)."
+        },
+    )
     init_a: str = field(
         default="zeros",
         metadata={
@@ -169,6 +177,8 @@ class FoRAConfig:
             cayley_iters=self.cayley_iters,
             keys={"betas": ("stiefel_beta1", "stiefel_beta2"), "eps": "stiefel_eps"},
         )
+        if self.cuda_graph not in (None, True, False):
+            refuse("cuda_graph", self.cuda_graph, "use true, false or leave it unset (captured where lora_B is on CUDA)")
         if self.seed is not None:
             check_int("seed", self.seed, 0, "or None for the training seed")
         if self.layers is not None:

@@ -220,6 +220,7 @@ def fora_optimizer(
         qr_period=fora.qr_period,
         cayley_solver=fora.cayley_solver,
         cayley_iters=fora.cayley_iters,
+        cuda_graph=fora.cuda_graph,
         decay_parameter_names=trainer.get_decay_parameter_names(model),
         fused=True if args.optim == "adamw_torch_fused" else None,
         # The mode decides: a mode without Stiefel lora_B steps them by AdamW even where they carry the mark.

@@ -150,6 +150,7 @@ def fora_optimizer_parts(
     reproject_threshold: float = REPROJECT_THRESHOLD,
     cayley_solver: str = "exact",
     cayley_iters: int = 5,
+    cuda_graph: bool | None = None,
     stiefel_params: Collection[torch.Tensor] | None = None,
     decay_parameter_names: Collection[str] | None = None,
     **adamw_kwargs: Any,
@@ -209,6 +210,7 @@ def fora_optimizer_parts(
         reproject_threshold=reproject_threshold,
         cayley_solver=cayley_solver,
         cayley_iters=cayley_iters,
+        cuda_graph=cuda_graph,
     )
     return groups, adamw_defaults, stiefel_defaults
 
