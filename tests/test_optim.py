@@ -1011,85 +1011,21 @@ def captures(monkeypatch):
     return made
 
 
-def captured_run_setup(kind, cuda_graph, seed=80):
-    """Parameters (Stiefel, plus an AdamW one for ``fora``) and an optimizer over them."""
-    gen = torch.Generator().manual_seed(seed)
-    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
-    params = stiefel_params([(32, 4), (32, 4), (12, 4), (20, 2)], seed=seed + 1, dtype=dtype)
-    groups = [{"params": params}]
-    if kind == "experts":
-        experts = [
-            torch.nn.Parameter(interleave([random_stiefel(16, 2, generator=gen) for _ in range(3)])) for _ in range(2)
-        ]
-        groups.append({"params": experts, "num_experts": 3})
-        params = params + experts
-    if kind == "fora":
-        a = torch.nn.Parameter(torch.randn(4, 8, generator=gen))
-        opt = FoRAOptimizer(
-            [{"params": [a]}, {**groups[0], "stiefel": True}],
-            adamw_defaults={"lr": 1e-2, "fused": True},  # torch.optim.AdamW reads its step count otherwise
-            stiefel_defaults={"lr": 0.05, "qr_period": 5, "cuda_graph": cuda_graph},
-        )
-        return params + [a], opt
-    return params, CayleyAdam(groups, lr=0.05, qr_period=5, cuda_graph=cuda_graph)
-
-
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "experts", "fora"])
 def test_a_captured_step_is_the_eager_step(kind, captures):
-    """20 steps, eager against captured and replayed: an lr that changes every step, a non-finite gradient on one
-    matrix, periodic re-projection, a resume from a saved state and a cast of a lora_B after a step."""
+    """20 steps, eager against captured and replayed (tests/capture_check.py, which bench/optimizer.py runs on a GPU):
+    an lr that changes every step, a non-finite gradient on one matrix, periodic re-projection, a resume from a saved
+    state and a cast of a lora_B after a step."""
+    from capture_check import captured_against_eager
     from host_sync import HostSyncCounter
 
-    runs = {}
-    for cuda_graph in (False, True):
-        params, opt = captured_run_setup(kind, cuda_graph)
-        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + 0.1 * step))
-        gen = torch.Generator().manual_seed(90)
-        syncs = 0
-        for step in range(20):
-            set_random_grads(params, gen)
-            if step == 7:
-                params[1].grad[2, 1] = float("nan")
-            if step == 10:  # a resume: a new optimizer loads the saved state
-                saved = copy.deepcopy(opt.state_dict())
-                opt = rebuilt(kind, params, cuda_graph)
-                opt.load_state_dict(saved)
-                schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.1 * s), last_epoch=step - 1)
-            if step == 14:  # a cast after a step: the state follows, and a captured step is captured anew
-                with torch.no_grad():
-                    params[0].data = params[0].data.to(torch.float32 if kind == "bf16" else torch.bfloat16)
-                params[0].grad = params[0].grad.to(params[0].dtype)
-            with HostSyncCounter() as counter:
-                opt.step()
-            syncs += counter.count
-            schedule.step()
-        stiefel = opt if isinstance(opt, CayleyAdam) else opt._delegates[True]
-        runs[cuda_graph] = (params, opt, syncs, stiefel.skipped_steps())
-    (eager, eager_opt, _, eager_skips), (replayed, replayed_opt, syncs, skips) = runs[False], runs[True]
-    assert syncs == 0
-    assert eager_skips == skips == 1
-    for p, q in zip(eager, replayed):
-        assert p.dtype == q.dtype
-        torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
-        for key, value in eager_opt.state[p].items():
-            torch.testing.assert_close(replayed_opt.state[q][key], value, rtol=0, atol=1e-6)
+    result = captured_against_eager(kind, torch.device("cpu"), sync_counter=HostSyncCounter)
+    assert result["dtypes_match"]
+    assert result["max_param_diff"] <= 1e-6 and result["max_state_diff"] <= 1e-6, result
+    assert result["skipped"] == (1, 1)
+    assert result["syncs"] == 0
     # Each group captured after the warm-up and after the resume; the group of the cast lora_B after the cast too.
     assert len(captures) == (5 if kind == "experts" else 3), captures
-
-
-def rebuilt(kind, params, cuda_graph):
-    """A new optimizer of ``kind`` over ``params`` (as a resumed run builds it)."""
-    stiefel = params[:-1] if kind == "fora" else params
-    if kind == "experts":
-        groups = [{"params": stiefel[:4]}, {"params": stiefel[4:], "num_experts": 3}]
-        return CayleyAdam(groups, lr=0.05, qr_period=5, cuda_graph=cuda_graph)
-    if kind == "fora":
-        return FoRAOptimizer(
-            [{"params": [params[-1]]}, {"params": stiefel, "stiefel": True}],
-            adamw_defaults={"lr": 1e-2, "fused": True},  # torch.optim.AdamW reads its step count otherwise
-            stiefel_defaults={"lr": 0.05, "qr_period": 5, "cuda_graph": cuda_graph},
-        )
-    return CayleyAdam([{"params": stiefel}], lr=0.05, qr_period=5, cuda_graph=cuda_graph)
 
 
 def test_a_capture_is_refused_where_no_graph_can_be_made():
