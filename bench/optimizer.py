@@ -2,15 +2,18 @@
 
 For each set of lora_B shapes it prints, side by side from one run:
 
-- thread CPU time and wall time per step (median over interleaved rounds, so a change in the machine's load hits every
-  line alike) of ``AdamW(fused=True)``, ``AdamW(foreach=True)``, Cayley-Adam before the stacked storage (the old step,
+- host time (the thread's CPU time until the step returns: on a GPU, the time spent issuing its work) and wall time
+  per step after synchronising (median over interleaved rounds, so a change in the machine's load hits every line
+  alike) of ``AdamW(fused=True)``, ``AdamW(foreach=True)``, Cayley-Adam before the stacked storage (the old step,
   kept in ``bench/reference_cayley_adam.py``), Cayley-Adam on stacked storage whose views were the parameters (the
-  step of fora-plugin at ``--stacked-rev``, imported from git: issue 19's design, which issue 30 replaced because a
-  parameter must own its storage), Cayley-Adam now (the same step on buffers it copies [B, m] into and out of), and
-  the step's two essential batched matmuls alone: the Gram matrix [B, m]ᵀ[B, m] and the update [B, m]·C of every
-  shape bucket (about 16·r flops per entry);
-- kernel-running aten ops per step and per shape bucket, counted with a dispatch mode (views and other metadata-only
-  ops are not kernels);
+  step at ``--stacked-rev``, imported from git: issue 19's design, which issue 30 replaced because a parameter must
+  own its storage), Cayley-Adam at ``--previous-rev`` (issue 30's copies of [B, m] into a buffer per bucket),
+  Cayley-Adam now (the device's default: matrix by matrix on the CPU; a dense buffer per bucket, captured as a CUDA
+  graph, on a GPU) and each of its implementations forced and eager, and the step's two essential batched matmuls
+  alone: the Gram matrix [B, m]ᵀ[B, m] and the update [B, m]·C of every shape bucket (about 16·r flops per entry);
+- kernel-running aten ops per step that the host dispatches, counted with a dispatch mode (views and other
+  metadata-only ops are not kernels; a replayed CUDA graph's kernels are not dispatched), and on a GPU the CUDA
+  kernels per step that the profiler records;
 - words moved per lora_B entry, counted from the ops' inputs and outputs (each distinct tensor an op reads, each it
   writes; a copy's destination and an ``out=`` tensor are written, not read);
 - the drift ‖BᵀB − I‖_F after the timed steps.
@@ -20,7 +23,8 @@ expert lora_B (gate_up_proj and down_proj, 128 experts, PEFT's (d_out, r·E) lay
 r = 16 (each expert block its own Stiefel matrix). Shapes come from the models' config.json.
 
 A last table compares one 4096 x r step with the paper's reference approach: the d x d skew matrix W formed and the
-Cayley system solved by 5 fixed-point iterations with d x d products.
+Cayley system solved by 5 fixed-point iterations with d x d products. On a GPU, ``--capture-check`` also runs
+tests/capture_check.py: the captured step against the eager one over 20 steps of a run.
 
     OMP_NUM_THREADS=1 taskset -c 1 python bench/optimizer.py     # one thread, as the README's figures
     python bench/optimizer.py --device cuda                       # a GPU: wall time after synchronising
@@ -47,11 +51,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/capture_check.py
 
 from reference_cayley_adam import ReferenceCayleyAdam  # noqa: E402
 
 from fora_plugin import CayleyAdam  # noqa: E402
 from fora_plugin.adapter import expert_blocks  # noqa: E402
+from fora_plugin.optim import GRAPH_WARMUP_STEPS, IMPLEMENTATIONS  # noqa: E402
 from fora_plugin.stiefel import orthogonality_error, random_stiefel  # noqa: E402
 
 
@@ -67,7 +73,18 @@ SETS = [
 DEVICE = torch.device("cpu")
 # The last revision whose Cayley-Adam kept lora_B as views into its stacks (issue 19; replaced in issue 30).
 STACKED_REV = "42ed290"
-STACKED = None  # CayleyAdam at STACKED_REV, or None where it cannot be had (no git, a shallow clone)
+# The last revision whose Cayley-Adam copied [B, m] of each shape bucket into one buffer (issue 30; replaced in 35).
+PREVIOUS_REV = "c19dc8c"
+OLDER: dict[str, type] = {}  # label -> CayleyAdam of an older revision, where git can give it
+
+
+def load_older(stacked_rev: str, previous_rev: str) -> None:
+    """:data:`OLDER`'s rows: the stacked-views step and the previous step, from git (none where git cannot)."""
+    OLDER.clear()
+    for label, rev in (("CayleyAdam stacked views", stacked_rev), ("CayleyAdam, a buffer per bucket", previous_rev)):
+        older = cayley_adam_at(rev) if rev else None
+        if older is not None:
+            OLDER[f"{label} ({rev})"] = older
 
 
 def cayley_adam_at(rev: str) -> type | None:
@@ -97,6 +114,20 @@ def cayley_adam_at(rev: str) -> type | None:
 def synchronize() -> None:
     if DEVICE.type == "cuda":
         torch.cuda.synchronize(DEVICE)
+
+
+def cuda_kernels(step, steps: int = 3) -> float | None:
+    """CUDA kernels per call of ``step`` as the profiler records them (a replayed graph's included); None off CUDA."""
+    if DEVICE.type != "cuda":
+        return None
+    synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(steps):
+            step()
+        synchronize()
+    kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(kernels) / steps
 
 
 def lora_b_set(d_outs: dict[int, int], r: int, experts: int, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -184,15 +215,18 @@ def count(step) -> StepCounter:
 
 
 def timed_rounds(candidates: dict[str, callable], rounds: int) -> dict[str, tuple[float, float]]:
-    """Median (thread CPU, wall) seconds per call; each round runs every candidate once, in turn."""
+    """Median (host, wall) seconds per call: the thread's CPU time until the call returns (what issuing the work
+    costs the host; on a CPU, the work itself), and the wall time until the device has finished it. Each round runs
+    every candidate once, in turn."""
     samples = defaultdict(list)
     for _ in range(rounds):
         for name, run in candidates.items():
             synchronize()
             cpu, wall = time.thread_time(), time.perf_counter()
             run()
+            host = time.thread_time() - cpu
             synchronize()
-            samples[name].append((time.thread_time() - cpu, time.perf_counter() - wall))
+            samples[name].append((host, time.perf_counter() - wall))
     return {
         name: (statistics.median(c for c, _ in values), statistics.median(w for _, w in values))
         for name, values in samples.items()
@@ -210,42 +244,44 @@ def bench_set(name: str, d_outs: dict[int, int], r: int, experts: int, rounds: i
     optimizers = {
         "AdamW(fused=True)": torch.optim.AdamW(lora_b_set(d_outs, r, experts), lr=1e-3, fused=True),
         "AdamW(foreach=True)": torch.optim.AdamW(lora_b_set(d_outs, r, experts), lr=1e-3, foreach=True),
-        "CayleyAdam before (old step)": ReferenceCayleyAdam([{"params": lora_b_set(d_outs, r, experts), **group}]),
+        "CayleyAdam before the stacks (old step)": ReferenceCayleyAdam(
+            [{"params": lora_b_set(d_outs, r, experts), **group}]
+        ),
+        **{label: older([{"params": lora_b_set(d_outs, r, experts), **group}]) for label, older in OLDER.items()},
         "CayleyAdam now": CayleyAdam([{"params": lora_b_set(d_outs, r, experts), **group}]),
     }
-    # The copy paths side by side (issue 26), forced whatever the device; "CayleyAdam now" takes the device's default.
-    for label, implementation in (("staged", "staged"), ("per-matrix", "per_matrix")):
-        optimizers[f"CayleyAdam now, {label} copies"] = CayleyAdam(
-            [{"params": lora_b_set(d_outs, r, experts), **group}], implementation=implementation
-        )
-    if STACKED is not None:
-        optimizers[f"CayleyAdam stacked views ({STACKED_REV})"] = STACKED(
-            [{"params": lora_b_set(d_outs, r, experts), **group}]
+    # Each implementation forced and eager, whatever the device; "CayleyAdam now" takes the device's defaults.
+    for implementation in IMPLEMENTATIONS:
+        optimizers[f"CayleyAdam now, {implementation.replace('_', ' ')}, eager"] = CayleyAdam(
+            [{"params": lora_b_set(d_outs, r, experts), **group}], implementation=implementation, cuda_graph=False
         )
     candidates = {label: opt.step for label, opt in optimizers.items()}
     candidates["essential matmuls alone"] = essential_matmuls(d_outs, r, experts)
-    for run in candidates.values():  # warm-up: state made, stacks built
-        run()
-        run()
+    for run in candidates.values():  # warm-up: state made, stacks built, the captured step captured
+        for _ in range(GRAPH_WARMUP_STEPS + 1):
+            run()
     counters = {label: count(run) for label, run in candidates.items()}
+    kernels = {label: cuda_kernels(run) for label, run in candidates.items()}
     times = timed_rounds(candidates, rounds)
-    column = 1 if DEVICE.type == "cuda" else 0  # on a GPU the host's CPU time says nothing: ratios of wall time
+    column = 1 if DEVICE.type == "cuda" else 0  # on a GPU the host's CPU time is not the step's: ratios of wall time
     essential = times["essential matmuls alone"][column]
     print(f"### {name}: {sum(d_outs.values())} lora_B, {buckets} shape buckets, {entries / 1e6:.1f} M entries")
     print()
     print(
-        "| step | thread CPU ms | wall ms | × essential | × fused AdamW | ops / step | ops / bucket | words / entry |"
+        "| step | host ms | wall ms | × essential | × fused AdamW | aten ops / step | CUDA kernels / step "
+        "| words / entry |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for label, (cpu, wall) in times.items():
         counter = counters[label]
         ops = sum(counter.ops.values())
+        cuda = "—" if kernels[label] is None else f"{kernels[label]:.0f}"
         print(
-            f"| {label} | {cpu * 1e3:.1f} | {wall * 1e3:.1f} | {(cpu, wall)[column] / essential:.2f} "
-            f"| {(cpu, wall)[column] / times['AdamW(fused=True)'][column]:.1f} | {ops} | {ops / buckets:.1f} "
+            f"| {label} | {cpu * 1e3:.2f} | {wall * 1e3:.2f} | {(cpu, wall)[column] / essential:.2f} "
+            f"| {(cpu, wall)[column] / times['AdamW(fused=True)'][column]:.1f} | {ops} | {cuda} "
             f"| {counter.words / entries:.1f} |"
         )
-    before = optimizers["CayleyAdam before (old step)"]
+    before = optimizers["CayleyAdam before the stacks (old step)"]
     now = optimizers["CayleyAdam now"]
     steps = rounds + 3
     print()
@@ -260,7 +296,8 @@ def bench_set(name: str, d_outs: dict[int, int], r: int, experts: int, rounds: i
 def profile_step(d_outs: dict[int, int], r: int, experts: int, steps: int = 3, rows: int = 15) -> str:
     """The torch profiler's top ops (by device time on a GPU, CPU time elsewhere) of ``steps`` Cayley-Adam steps."""
     optimizer = CayleyAdam([{"params": lora_b_set(d_outs, r, experts), "num_experts": experts}])
-    optimizer.step()  # the state is made: not profiled
+    for _ in range(GRAPH_WARMUP_STEPS + 1):  # the state made and, on a GPU, the step captured: not profiled
+        optimizer.step()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if DEVICE.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -298,8 +335,25 @@ def bench_dense(r: int, rounds: int, d: int = 4096) -> None:
     print()
 
 
+def capture_checks() -> list[dict]:
+    """tests/capture_check.py on this device: the captured step against the eager one, every kind (CUDA only)."""
+    from capture_check import KINDS, captured_against_eager
+    from host_sync import HostSyncCounter
+
+    results = [captured_against_eager(kind, DEVICE, sync_counter=HostSyncCounter) for kind in KINDS]
+    print("| kind | max |Δ| parameters | max |Δ| state | dtypes equal | skipped (eager, captured) | host syncs |")
+    print("|---|---:|---:|---|---|---:|")
+    for r in results:
+        print(
+            f"| {r['kind']} | {r['max_param_diff']:.1e} | {r['max_state_diff']:.1e} | {r['dtypes_match']} "
+            f"| {r['skipped']} | {r['syncs']} |"
+        )
+    print()
+    return results
+
+
 def main() -> None:
-    global DEVICE, STACKED
+    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds (default: 10)")
     parser.add_argument("--sets", nargs="*", type=int, help="indices into SETS to run (default: all)")
@@ -309,9 +363,15 @@ def main() -> None:
         default=STACKED_REV,
         help=f"git revision of the stacked-views step to time beside today's (default: {STACKED_REV}; '' for none)",
     )
+    parser.add_argument(
+        "--previous-rev",
+        default=PREVIOUS_REV,
+        help=f"git revision of the step with a buffer per bucket (default: {PREVIOUS_REV}; '' for none)",
+    )
+    parser.add_argument("--capture-check", action="store_true", help="the captured step against the eager (CUDA)")
     args = parser.parse_args()
     DEVICE = torch.device(args.device)
-    STACKED = cayley_adam_at(args.stacked_rev) if args.stacked_rev else None
+    load_older(args.stacked_rev, args.previous_rev)
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     print(
         f"device {DEVICE}, CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, threads "
@@ -322,6 +382,8 @@ def main() -> None:
         if args.sets is None or index in args.sets:
             bench_set(name, d_outs, r, experts, args.rounds)
     bench_dense(32, args.rounds)
+    if args.capture_check:
+        capture_checks()
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 

@@ -96,7 +96,7 @@ def test_scoring_syncs_optimizer_and_cli_sections_hold_their_measurements(report
     assert syncs["log_counter"] <= 1
     assert syncs["error_mode"].startswith("skipped: needs CUDA") and syncs["cuda_warn"] is None
     optimizer = sections["optimizer"]["sets"]
-    assert optimizer and all(positive(t["CayleyAdam now"]["thread_cpu_ms"]) for t in optimizer.values())
+    assert optimizer and all(positive(t["CayleyAdam now"]["host_ms"]) for t in optimizer.values())
     cli = sections["cli_train"]
     assert cli["loss_fell"], cli["losses"]
     assert cli["adapted_layers"] == cli["chosen_layers"] and len(cli["chosen_layers"]) == 2

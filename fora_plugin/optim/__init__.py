@@ -9,6 +9,7 @@ May import: adapter, errors, stiefel, validation.
 """
 
 from .cayley_adam import (
+    GRAPH_WARMUP_STEPS,
     IMPLEMENTATIONS,
     REPROJECT_THRESHOLD,
     CayleyAdam,
@@ -29,6 +30,7 @@ from .fora_optimizer import (
 
 
 __all__ = [
+    "GRAPH_WARMUP_STEPS",
     "IMPLEMENTATIONS",
     "REPROJECT_THRESHOLD",
     "UNSUPPORTED_LR_SCHEDULERS",
