@@ -8,6 +8,9 @@ a. ``step_time``: the paper's efficiency table (bench/step_time.py): LLaMA-3.2-3
    bf16 weights, batch 16 x 256, LoRA r 32 on q/k/v/up/down through FoRASFTTrainer; lora (all layers), fg-lora and
    fora on the top half and on every second layer, checkpointing off and on; ms/step, max_memory_allocated/reserved,
    the ratios beside the paper's figures, and the torch profiler's top kernels of the ckpt-off top-half rows.
+a2. ``step_rows``: beside (a), checkpointing off: lora, fg-lora and fora with gradient accumulation 4 and on the
+   commonsense mix (padded per batch), and the frozen base alone (the floor a LoRA step adds to); the optimizer phase
+   of fora against fg-lora's on the same layers.
 b. ``plan``: ``fora plan`` (``fora_plugin.plan.plan``, in a child process that runs beside the GPU sections on the
    other half of the CPU cores) of the same settings, against the measured peaks of every row, scoring included.
 c. ``scoring``: Fisher scoring of 8 batches as FoRASFTTrainer runs it (its batches, loss, checkpointing, autocast):
@@ -59,10 +62,20 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent / "tests"))  # tests/host_sync.py: the host-sync counter the tests use too
 
 import step_time  # noqa: E402  (bench/step_time.py: the rows of (a), and the trainers of (c), (d), (f))
-from step_time import GIB, REPO, TARGETS, Setting  # noqa: E402
+from step_time import GIB, MODES, REPO, TARGETS, Setting  # noqa: E402
 
 
-SECTIONS = ("step_time", "host_syncs", "scoring", "optimizer", "cli_train", "qfora", "memory_peak", "plan")
+SECTIONS = (
+    "step_time",
+    "step_rows",
+    "host_syncs",
+    "scoring",
+    "optimizer",
+    "cli_train",
+    "qfora",
+    "memory_peak",
+    "plan",
+)
 PACKAGES = (
     "torch",
     "transformers",
@@ -301,6 +314,51 @@ def paper_table(rows: list[dict[str, Any]], goals: dict[str, Any]) -> str:
         paper = "0.688 (half / all)" if name == "fora_over_lora" else "1.10-1.15"
         lines.append(f"| {label} (goal ≤ {g['goal']}) | {paper} | **{g['value']:.3f}**: {verdict} |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- (a2) more step rows
+def step_rows(ctx: Run) -> list[step_time.Row]:
+    """Issue 35's rows beside (a)'s grid, checkpointing off: lora (all layers), fg-lora and fora (top half) with
+    gradient accumulation 4 (the paper's) and on the paper's kind of data (the commonsense mix, padded per batch up to
+    seq_len); the frozen base alone on either data."""
+    rows = []
+    for data in step_time.DATA:
+        rows.append(step_time.Row("frozen", "all", False, data=data))
+        if data != "random":
+            rows += [step_time.Row(mode, "all" if mode == "lora" else "top half", False, data=data) for mode in MODES]
+    rows += [step_time.Row(mode, "all" if mode == "lora" else "top half", False, accumulation=4) for mode in MODES]
+    return rows
+
+
+def section_step_rows(ctx: Run) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    ctx.partial["step_rows"] = {"rows": rows}
+
+    def on_row(row: dict[str, Any]) -> None:
+        rows.append(row)
+        ctx.log(f"  {row['mode']} {row['placement']} {step_time._what(row)}: {row['ms_per_step']:.1f} ms/step")
+
+    step_time.measure_rows(
+        ctx.scale.setting, ctx.device, step_rows(ctx), warmup=ctx.scale.warmup, steps=ctx.scale.steps, on_row=on_row
+    )
+    grid = ctx.rows or []
+    frozen = step_time.find_row(rows, "frozen", "all", False)
+    text = [
+        step_time.format_ratio_table([*grid, *rows]),
+        "",
+        step_time.format_rows(rows),
+        "",
+        "Optimizer phase, fora against fg-lora on the same layers (goal: fora − fg-lora ≤ 1.5 ms):",
+        "",
+        step_time.format_optimizer_phase([*grid, *rows]),
+    ]
+    if frozen is not None:
+        lora = step_time.find_row(grid, "lora", "all", False)
+        text += ["", f"Frozen base (random data, ckpt off): {frozen['ms_per_step']:.1f} ms of forward + backward"]
+        if lora is not None:
+            text[-1] += f"; LoRA on all layers adds {lora['ms_per_step'] - frozen['ms_per_step']:.1f} ms."
+    text += ["", f"Paper (H200): LoRA all layers {PAPER['lora_ms']} ms, FG-LoRA/FoRA {PAPER['half_ms']} ms a step."]
+    return {"rows": rows, "text": "\n".join(text)}
 
 
 # ---------------------------------------------------------------------------------------------------- (b) plan
@@ -636,6 +694,8 @@ def section_optimizer(ctx: Run) -> dict[str, Any]:
     optimizer_bench.DEVICE = ctx.device
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
+        # The stacked-views step and the previous one beside today's, where git can give them (a note where not).
+        optimizer_bench.load_older(optimizer_bench.STACKED_REV, optimizer_bench.PREVIOUS_REV)
         for name, d_outs, r, experts in ctx.scale.optimizer_sets:
             optimizer_bench.bench_set(name, d_outs, r, experts, ctx.scale.optimizer_rounds)
         if ctx.scale.dense_step:
@@ -1100,6 +1160,7 @@ class Run:
 
 SECTION_FUNCTIONS = {
     "step_time": section_step_time,
+    "step_rows": section_step_rows,
     "host_syncs": section_host_syncs,
     "scoring": section_scoring,
     "optimizer": section_optimizer,

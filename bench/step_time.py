@@ -12,12 +12,18 @@ clipping, FoRA's optimizer (AdamW on ``lora_A``, Cayley-Adam on the Stiefel ``lo
 - ``fora``: LoRA on the chosen layers, Stiefel B stepped by Cayley-Adam;
 
 the chosen layers in two placements, the top half and every second layer from 0 (where the backward must reach
-layer 0), each with activation checkpointing off and on.
+layer 0), each with activation checkpointing off and on. Beside that grid (:func:`measure_all`), :func:`measure_rows`
+runs any :class:`Row`: with gradient accumulation (the paper trains with 4), on the paper's kind of data (the bundled
+commonsense mix, a word-level tokenizer built from it, padded per batch up to ``seq_len``), and the frozen base alone
+(:func:`frozen_base_ms`: no adapters, the inputs requiring grad, so the backward runs through every layer: the floor
+a LoRA step adds to).
 
 A step is timed from the Trainer's ``on_step_begin`` to its ``on_step_end`` callback (CUDA events on a GPU; on the
 CPU ``perf_counter``, or with ``--clock cpu`` the process's CPU time, which a busy shared machine disturbs less),
-split at ``on_pre_optimizer_step`` into forward + backward + clipping and optimizer step + scheduler +
-``zero_grad``; the median over the timed steps after the warm-up ones. On a GPU, peak memory is
+split at ``on_pre_optimizer_step`` into forward + backward + clipping and the optimizer phase, and that at
+``on_optimizer_step`` into the optimizer's own step and the rest (scheduler, ``zero_grad``, callbacks); the host's
+share of the optimizer phase (the thread's CPU time: what issuing its work costs) beside it; the median over the
+timed steps after the warm-up ones. On a GPU, peak memory is
 ``torch.cuda.max_memory_allocated``/``max_memory_reserved`` over the whole ``train()`` (weights included); on the
 CPU, ``--live-memory`` counts the peak of live tensor bytes with the storage tracker ``fora plan`` simulates
 (:class:`fora_plugin.memory.LiveTensorTracker`; it slows the step, so the times are then not worth reading).
@@ -33,6 +39,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -54,7 +61,9 @@ sys.path.insert(0, str(REPO / "tests"))  # conftest's character tokenizer: SFTTr
 TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj", "down_proj")
 MODES = ("lora", "fg-lora", "fora")
 CLOCKS = ("wall", "cpu")
+DATA = ("random", "commonsense")  # fixed-length random token ids; the bundled commonsense mix, padded per batch
 GIB = 2**30
+COMMONSENSE = REPO / "example_configs" / "data" / "commonsense_mix_train.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +182,45 @@ def sft_args(setting: Setting, device: torch.device, output_dir: str, *, checkpo
     )
 
 
+def commonsense_dataset(rows: int):
+    """``rows`` prompt/completion rows of the bundled commonsense mix (repeated as needed), as the paper trains: the
+    instruction (and input) as the prompt, the answer sentence as the completion."""
+    from datasets import Dataset
+
+    examples = json.loads(COMMONSENSE.read_text())
+    picked = [examples[i % len(examples)] for i in range(rows)]
+    return Dataset.from_dict(
+        {
+            "prompt": [e["instruction"] + (f"\n\n{e['input']}" if e["input"] else "") + "\n\n" for e in picked],
+            "completion": [e["output"] for e in picked],
+        }
+    )
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer of the commonsense mix's words (the most frequent ``vocab_size`` − 4; the rest are
+    ``<unk>``), so that its rows have a real instruction's length in tokens (a character tokenizer would make every
+    row ``seq_len`` long)."""
+    from collections import Counter
+
+    from conftest import SPECIAL_TOKENS
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    splitter = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    counts: Counter[str] = Counter()
+    for e in json.loads(COMMONSENSE.read_text()):
+        for field in ("instruction", "input", "output"):
+            counts.update(word for word, _ in splitter.pre_tokenize_str(e[field]))
+    words = [w for w, _ in counts.most_common(vocab_size - len(SPECIAL_TOKENS))]
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = splitter
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
 def random_dataset(setting: Setting, rows: int, vocab_size: int, seed: int = 0):
     """Rows of ``seq_len`` random token ids: TRL takes a dataset with ``input_ids`` as already tokenized."""
     from datasets import Dataset
@@ -205,30 +253,42 @@ def build_trainer(
     max_steps: int,
     fisher_batches: int = 8,
     model: torch.nn.Module | str | None = None,
+    accumulation: int = 1,
+    data: str = "random",
+    fora_options: dict[str, Any] | None = None,
     **trainer_kwargs,
 ):
     """A FoRASFTTrainer as a user builds one: base model, LoraConfig, FoRAConfig; ``layers`` None scores them.
 
     ``model``: a built model or a model folder (SFTTrainer loads it with ``args.model_init_kwargs`` and
-    ``trainer_kwargs`` such as ``quantization_config``); default: :func:`build_model`.
+    ``trainer_kwargs`` such as ``quantization_config``); default: :func:`build_model`. ``accumulation``: gradient
+    accumulation steps; ``data``: one of :data:`DATA`; ``fora_options``: more FoRAConfig fields.
     """
     from conftest import char_tokenizer
 
     from fora_plugin import FoRAConfig, FoRASFTTrainer
 
-    extra = {}
+    if data not in DATA:
+        raise ValueError(f"data={data!r}: use one of {DATA}")
+    extra = {"gradient_accumulation_steps": accumulation}
     if isinstance(model, str):
         extra["model_init_kwargs"] = {"dtype": setting.dtype}
     elif model is None:
         model = build_model(setting, device)
     vocab_size = setting.model_config().vocab_size
-    rows = setting.batch_size * max(max_steps, fisher_batches if layers is None and mode != "lora" else 0)
-    fora = FoRAConfig(mode=mode, layers=layers, fisher_batches=fisher_batches, seed=0)
+    batches = max(max_steps * accumulation, fisher_batches if layers is None and mode != "lora" else 0)
+    rows = setting.batch_size * batches
+    fora = FoRAConfig(mode=mode, layers=layers, fisher_batches=fisher_batches, seed=0, **(fora_options or {}))
+    if data == "commonsense":
+        # At least 64 rows: where seq_len is short (the tiny setting), most rows lose their completion to truncation.
+        dataset, tokenizer = commonsense_dataset(max(rows, 64)), word_tokenizer(vocab_size)
+    else:
+        dataset, tokenizer = random_dataset(setting, rows, vocab_size), char_tokenizer()
     return FoRASFTTrainer(
         model,
         sft_args(setting, device, output_dir, checkpointing=checkpointing, max_steps=max_steps, **extra),
-        train_dataset=random_dataset(setting, rows, vocab_size),
-        processing_class=char_tokenizer(),
+        train_dataset=dataset,
+        processing_class=tokenizer,
         peft_config=lora_config(setting),
         fora_config=fora,
         **trainer_kwargs,
@@ -250,6 +310,7 @@ class StepTimer(TrainerCallback):
         self.cuda = device.type == "cuda"
         self.clock = time.process_time if clock == "cpu" else time.perf_counter
         self.marks: list[list[Any]] = []
+        self.host: list[list[float]] = []  # the thread's CPU time at the optimizer phase's begin and end
 
     def _mark(self) -> Any:
         if not self.cuda:
@@ -263,19 +324,29 @@ class StepTimer(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.marks[-1].append(self._mark())
+        self.host.append([time.thread_time()])
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.marks[-1].append(self._mark())
 
     def on_step_end(self, args, state, control, **kwargs):
         self.marks[-1].append(self._mark())
+        self.host[-1].append(time.thread_time())
 
-    def milliseconds(self) -> list[tuple[float, float, float]]:
-        """Per step: (whole step, forward + backward + clipping, optimizer step + scheduler + zero_grad)."""
+    def elapsed(self, a: Any, b: Any) -> float:
+        """Milliseconds from mark ``a`` to mark ``b`` (after a synchronisation on CUDA)."""
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def milliseconds(self) -> list[tuple[float, ...]]:
+        """Per step: (whole step, forward + backward + clipping, the optimizer phase (optimizer step + scheduler +
+        zero_grad + callbacks), the optimizer's own step, the host's CPU time in the optimizer phase)."""
         if self.cuda:
             torch.cuda.synchronize()
-
-        def elapsed(a, b) -> float:
-            return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-
-        return [(elapsed(b, e), elapsed(b, o), elapsed(o, e)) for b, o, e in self.marks]
+        ms = self.elapsed
+        return [
+            (ms(b, e), ms(b, o), ms(o, e), ms(o, s), (h1 - h0) * 1e3)
+            for (b, o, s, e), (h0, h1) in zip(self.marks, self.host)
+        ]
 
 
 class StepProfiler(TrainerCallback):
@@ -337,6 +408,8 @@ def time_steps(
         "ms_per_step": statistics.median(s[0] for s in steps),
         "ms_forward_backward": statistics.median(s[1] for s in steps),
         "ms_optimizer": statistics.median(s[2] for s in steps),
+        "ms_optimizer_step": statistics.median(s[3] for s in steps),
+        "host_ms_optimizer": statistics.median(s[4] for s in steps),
         "ms_steps": [round(s[0], 3) for s in steps],
         "clock": clock,
         "timed_steps": timed,
@@ -360,6 +433,25 @@ def release(device: torch.device) -> None:
     if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One measured run: ``mode`` one of :data:`MODES` or ``"frozen"`` (the base alone, :func:`frozen_base`);
+    ``placement`` "all" (lora, frozen) or a key of :func:`placements`; ``options``: FoRAConfig fields as (key, value)
+    pairs; ``label``: what sets the row apart, for its table."""
+
+    mode: str
+    placement: str
+    checkpointing: bool
+    accumulation: int = 1
+    data: str = "random"
+    options: tuple[tuple[str, Any], ...] = ()
+    label: str = ""
+
+
+# The fields that set a Row apart besides mode, placement and checkpointing, with their defaults.
+ROW_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Row)[3:]}
 
 
 def runs(num_layers: int, modes: tuple[str, ...] = MODES) -> list[tuple[str, str, list[int] | None]]:
@@ -386,40 +478,158 @@ def measure_all(
     """Every row of the table; ``profile(mode, placement, checkpointing)`` gives the steps to profile after the
     timed ones; ``on_row`` sees each row as it is done (to print or save it)."""
     num_layers = setting.model_config().num_hidden_layers
-    rows = []
-    for ckpt in checkpointing:
-        for mode, placement, layers in runs(num_layers, modes):
-            profile_steps = profile(mode, placement, ckpt)
-            with tempfile.TemporaryDirectory() as tmp:
+    grid = [Row(mode, placement, ckpt) for ckpt in checkpointing for mode, placement, _ in runs(num_layers, modes)]
+    return measure_rows(
+        setting,
+        device,
+        grid,
+        warmup=warmup,
+        steps=steps,
+        profile=lambda row: profile(row.mode, row.placement, row.checkpointing),
+        live_memory=live_memory,
+        clock=clock,
+        on_row=on_row,
+    )
+
+
+def measure_rows(
+    setting: Setting,
+    device: torch.device,
+    rows: list[Row],
+    *,
+    warmup: int,
+    steps: int,
+    profile: Callable[[Row], int] = lambda row: 0,
+    live_memory: bool = False,
+    clock: str = "wall",
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Each of ``rows`` measured in turn (see :func:`measure_all` for ``profile`` and ``on_row``)."""
+    num_layers = setting.model_config().num_hidden_layers
+    results = []
+    for row in rows:
+        layers = placements(num_layers)[row.placement] if row.placement in placements(num_layers) else None
+        result = {**dataclasses.asdict(row), "layers": layers}
+        profile_steps = profile(row)
+        with tempfile.TemporaryDirectory() as tmp:
+            common = dict(checkpointing=row.checkpointing, accumulation=row.accumulation, data=row.data)
+            if row.mode == "frozen":
+                result.update(frozen_base(setting, device, tmp, warmup=warmup, steps=steps, clock=clock, **common))
+            else:
                 trainer = build_trainer(
                     setting,
                     device,
                     tmp,
-                    mode=mode,
+                    mode=row.mode,
                     layers=layers,
-                    checkpointing=ckpt,
                     max_steps=warmup + steps + profile_steps,
+                    fora_options=dict(row.options),
+                    **common,
                 )
-                row = {"mode": mode, "placement": placement, "layers": layers, "checkpointing": ckpt}
-                row.update(
-                    time_steps(
-                        trainer, device, warmup=warmup, profile_steps=profile_steps, live=live_memory, clock=clock
-                    )
+                timed = time_steps(
+                    trainer, device, warmup=warmup, profile_steps=profile_steps, live=live_memory, clock=clock
                 )
+                result.update(timed)
                 del trainer
-            release(device)
-            rows.append(row)
-            if on_row is not None:
-                on_row(row)
-    return rows
+        release(device)
+        results.append(result)
+        if on_row is not None:
+            on_row(result)
+    return results
+
+
+def frozen_base(
+    setting: Setting,
+    device: torch.device,
+    output_dir: str,
+    *,
+    checkpointing: bool,
+    accumulation: int,
+    data: str,
+    warmup: int,
+    steps: int,
+    clock: str = "wall",
+) -> dict[str, Any]:
+    """The floor a LoRA step adds to: the base model's forward and backward with no adapter, its inputs requiring
+    grad so that the backward runs through every layer, through the trainer's own batches, loss (TRL's) and autocast,
+    as many micro-batches a step as ``accumulation``. No optimizer: ms per step is forward + backward."""
+    from fora_plugin.trainer import checkpoint_as_in_training
+
+    trainer = build_trainer(
+        setting,
+        device,
+        output_dir,
+        mode="lora",
+        layers=None,
+        checkpointing=checkpointing,
+        max_steps=warmup + steps,
+        accumulation=accumulation,
+        data=data,
+    )
+    model = trainer.model
+    model.requires_grad_(False)
+    model.get_base_model().enable_input_require_grads()
+    checkpoint_as_in_training(trainer)
+    model.train()
+    timer = StepTimer(device, "wall" if device.type == "cuda" else clock)
+    loader = trainer.get_train_dataloader()
+    if len(loader) == 0:
+        raise ValueError(f"no batch of {data} data survives truncation to {setting.seq_len} tokens")
+    # As many epochs as the steps take, as Trainer.train runs (rows whose completion the truncation dropped are gone).
+    batches = itertools.chain.from_iterable(itertools.repeat(loader))
+    marks = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    with model.disable_adapter():
+        for _ in range(warmup + steps):
+            begin = timer._mark()
+            for _ in range(accumulation):
+                inputs = trainer._prepare_inputs(next(batches))
+                with trainer.accelerator.autocast():
+                    loss = trainer.compute_loss(model, inputs) / accumulation
+                loss.backward()
+            marks.append((begin, timer._mark()))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    timed = [timer.elapsed(begin, end) for begin, end in marks[warmup:]]
+    result = {
+        "ms_per_step": statistics.median(timed),
+        "ms_forward_backward": statistics.median(timed),
+        "ms_optimizer": 0.0,
+        "ms_optimizer_step": 0.0,
+        "host_ms_optimizer": 0.0,
+        "clock": "cuda events" if device.type == "cuda" else clock,
+        "timed_steps": steps,
+        "warmup_steps": warmup,
+        "trainable_parameters": 0,
+        "max_memory_allocated": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+        "max_memory_reserved": torch.cuda.max_memory_reserved() if device.type == "cuda" else None,
+        "live_peak_bytes": None,
+    }
+    del trainer, model
+    return result
 
 
 # ------------------------------------------------------------------------------------------------------- output
-def find_row(rows: list[dict[str, Any]], mode: str, placement: str, checkpointing: bool) -> dict[str, Any] | None:
-    placement = "all" if mode == "lora" else placement
-    return next(
-        (r for r in rows if (r["mode"], r["placement"], r["checkpointing"]) == (mode, placement, checkpointing)), None
-    )
+def find_row(
+    rows: list[dict[str, Any]], mode: str, placement: str, checkpointing: bool, **fields: Any
+) -> dict[str, Any] | None:
+    """The row of ``mode`` (lora and frozen: all layers), ``placement`` and ``checkpointing`` whose other :class:`Row`
+    fields are ``fields``, their defaults where not given."""
+    placement = "all" if mode in ("lora", "frozen") else placement
+    wanted = {**ROW_DEFAULTS, **fields}
+    for r in rows:
+        if (r["mode"], r["placement"], r["checkpointing"]) != (mode, placement, checkpointing):
+            continue
+        # A row read back from JSON holds lists where it had tuples.
+        if all(_plain(r.get(key, default)) == _plain(wanted[key]) for key, default in ROW_DEFAULTS.items()):
+            return r
+    return None
+
+
+def _plain(value: Any) -> Any:
+    return json.loads(json.dumps(value))
 
 
 def _gib(nbytes: int | None) -> str:
@@ -435,33 +645,87 @@ def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
 
 
 def format_ratio_table(rows: list[dict[str, Any]]) -> str:
-    """Issue 29's table: ms/step of lora (all layers), fg-lora and fora per placement, and the ratios."""
+    """Issue 29's table: ms/step of lora (all layers), fg-lora and fora per placement, and the ratios; a line per
+    kind of row (data, accumulation, options) besides checkpointing and placement, and the frozen base's where
+    measured."""
     lines = [
-        "| checkpointing | placement | lora, all layers | fg-lora | fora | fora / lora | fora / fg-lora |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| checkpointing | placement | row | frozen base | lora, all layers | fg-lora | fora | fora / lora "
+        "| fora / fg-lora |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
+    kinds = {json.dumps(_plain({key: r.get(key, default) for key, default in ROW_DEFAULTS.items()})): r for r in rows}
     for ckpt in dict.fromkeys(r["checkpointing"] for r in rows):
-        for placement in dict.fromkeys(r["placement"] for r in rows if r["placement"] != "all"):
-            lora, fg, fora = (find_row(rows, m, placement, ckpt) for m in MODES)
-            lines.append(
-                f"| {'on' if ckpt else 'off'} | {placement} | {_ms(lora)} | {_ms(fg)} | {_ms(fora)} "
-                f"| {_ratio(fora, lora)} | {_ratio(fora, fg)} |"
-            )
+        for example in kinds.values():
+            fields = {key: example.get(key, default) for key, default in ROW_DEFAULTS.items()}
+            frozen = find_row(rows, "frozen", "all", ckpt, **fields)
+            for placement in dict.fromkeys(r["placement"] for r in rows if r["placement"] != "all"):
+                lora, fg, fora = (find_row(rows, m, placement, ckpt, **fields) for m in MODES)
+                if lora is None and fg is None and fora is None:
+                    continue
+                lines.append(
+                    f"| {'on' if ckpt else 'off'} | {placement} | {_what(example)} | {_ms(frozen)} | {_ms(lora)} "
+                    f"| {_ms(fg)} | {_ms(fora)} | {_ratio(fora, lora)} | {_ratio(fora, fg)} |"
+                )
     return "\n".join(lines)
 
 
+def _what(r: dict[str, Any]) -> str:
+    """The row's data, accumulation and label, where they differ from the default rows'."""
+    parts = [r.get("label") or ""]
+    if r.get("data", "random") != "random":
+        parts.append(f"{r['data']} data")
+    if r.get("accumulation", 1) != 1:
+        parts.append(f"accumulation {r['accumulation']}")
+    return ", ".join(p for p in parts if p) or "—"
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    """Every row: the step split into forward + backward and optimizer, and the peak memory."""
+    """Every row: the step split into forward + backward and the optimizer phase (its optimizer step apart, and the
+    host's share), and the peak memory."""
     lines = [
-        "| mode | layers | checkpointing | ms/step | fwd+bwd+clip ms | optimizer ms | max allocated GiB | "
-        "max reserved GiB | live peak GiB | trainable |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | layers | checkpointing | row | ms/step | fwd+bwd+clip ms | optimizer phase ms | its optimizer.step "
+        "ms | its host ms | max allocated GiB | max reserved GiB | live peak GiB | trainable |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['mode']} | {r['placement']} | {'on' if r['checkpointing'] else 'off'} | {r['ms_per_step']:.1f} "
-            f"| {r['ms_forward_backward']:.1f} | {r['ms_optimizer']:.2f} | {_gib(r['max_memory_allocated'])} "
-            f"| {_gib(r['max_memory_reserved'])} | {_gib(r['live_peak_bytes'])} | {r['trainable_parameters']:,} |"
+            f"| {r['mode']} | {r['placement']} | {'on' if r['checkpointing'] else 'off'} | {_what(r)} "
+            f"| {r['ms_per_step']:.1f} | {r['ms_forward_backward']:.1f} | {r['ms_optimizer']:.2f} "
+            f"| {r.get('ms_optimizer_step', 0.0):.2f} | {r.get('host_ms_optimizer', 0.0):.2f} "
+            f"| {_gib(r['max_memory_allocated'])} | {_gib(r['max_memory_reserved'])} | {_gib(r['live_peak_bytes'])} "
+            f"| {r['trainable_parameters']:,} |"
+        )
+    return "\n".join(lines)
+
+
+def format_optimizer_phase(rows: list[dict[str, Any]]) -> str:
+    """The optimizer phase of fora against fg-lora's on the same layers (issue 35's goal: at most 1.5 ms more)."""
+    lines = [
+        "| checkpointing | placement | row | fg-lora phase ms | fora phase ms | fora − fg-lora ms "
+        "| fora optimizer.step ms | fora host ms |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for fora in rows:
+        if fora["mode"] != "fora":
+            continue
+        key = (fora["placement"], fora["checkpointing"], fora.get("accumulation", 1), fora.get("data", "random"))
+        fg = next(
+            (
+                r
+                for r in rows
+                if r["mode"] == "fg-lora"
+                and (r["placement"], r["checkpointing"], r.get("accumulation", 1), r.get("data", "random")) == key
+                and r.get("options") == fora.get("options")
+            ),
+            None,
+        )
+        if fg is None:
+            continue
+        extra = fora["ms_optimizer"] - fg["ms_optimizer"]
+        lines.append(
+            f"| {'on' if fora['checkpointing'] else 'off'} | {fora['placement']} | {_what(fora)} "
+            f"| {fg['ms_optimizer']:.2f} | {fora['ms_optimizer']:.2f} | {extra:+.2f} "
+            f"| {fora['ms_optimizer_step']:.2f} | {fora['host_ms_optimizer']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -489,6 +753,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, help="timed steps (default: 10 on a GPU, 4 on the CPU)")
     parser.add_argument("--checkpointing", nargs="+", choices=("off", "on"), default=["off", "on"])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--accumulation", type=int, default=1, help="gradient accumulation steps (default: 1)")
+    parser.add_argument("--data", choices=DATA, default="random", help="random token ids, or the commonsense mix")
+    parser.add_argument("--frozen-base", action="store_true", help="also time the frozen base alone (the floor)")
     parser.add_argument("--profile", type=int, default=0, help="steps to profile after the timed ones (every row)")
     parser.add_argument("--live-memory", action="store_true", help="count live tensor bytes (slows the steps)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
@@ -509,14 +776,21 @@ def main() -> int:
     steps = args.steps if args.steps is not None else 10 if gpu else 4
     started = time.perf_counter()
     print(describe(setting, device, warmup, steps, args.clock), flush=True)
-    rows = measure_all(
+    checkpointing = tuple(c == "on" for c in args.checkpointing)
+    grid = [
+        Row(mode, placement, ckpt, accumulation=args.accumulation, data=args.data)
+        for ckpt in checkpointing
+        for mode, placement, _ in runs(setting.model_config().num_hidden_layers, tuple(args.modes))
+    ]
+    if args.frozen_base:
+        grid += [Row("frozen", "all", c, accumulation=args.accumulation, data=args.data) for c in checkpointing]
+    rows = measure_rows(
         setting,
         device,
+        grid,
         warmup=warmup,
         steps=steps,
-        checkpointing=tuple(c == "on" for c in args.checkpointing),
-        modes=tuple(args.modes),
-        profile=lambda *_: args.profile,
+        profile=lambda row: args.profile if row.mode != "frozen" else 0,
         live_memory=args.live_memory,
         clock=args.clock,
         on_row=lambda r: print(
@@ -530,6 +804,8 @@ def main() -> int:
     print(format_ratio_table(rows))
     print()
     print(format_rows(rows))
+    print()
+    print(format_optimizer_phase(rows))
     for r in rows:
         if "profile" in r:
             print(f"\nprofile: {r['mode']}, {r['placement']}, checkpointing {r['checkpointing']}\n{r['profile']}")

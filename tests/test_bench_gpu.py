@@ -33,6 +33,7 @@ def test_every_section_ran_or_says_it_needs_cuda(report):
     sections = report["sections"]
     assert {name: s["status"] for name, s in sections.items()} == {
         "step_time": "ok",
+        "step_rows": "ok",
         "host_syncs": "ok",
         "scoring": "ok",
         "optimizer": "ok",
@@ -73,6 +74,36 @@ def test_step_time_rows_cover_every_mode_placement_and_checkpointing(report):
     assert "profile" in next(r for r in rows if r["mode"] == "fora" and r["placement"] == "top half")
     for ratios in section["ratios"].values():
         assert all(positive(v) for v in ratios.values())
+
+
+@pytest.mark.slow
+def test_step_rows_add_accumulation_real_data_and_the_frozen_base(report):
+    rows = report["sections"]["step_rows"]["rows"]
+    kinds = sorted((r["mode"], r["placement"], r["data"], r["accumulation"]) for r in rows)
+    assert kinds == sorted(
+        [
+            ("frozen", "all", "random", 1),
+            ("frozen", "all", "commonsense", 1),
+            ("lora", "all", "commonsense", 1),
+            ("fg-lora", "top half", "commonsense", 1),
+            ("fora", "top half", "commonsense", 1),
+            ("lora", "all", "random", 4),
+            ("fg-lora", "top half", "random", 4),
+            ("fora", "top half", "random", 4),
+        ]
+    )
+    for r in rows:
+        assert positive(r["ms_per_step"])
+        if r["mode"] == "frozen":
+            assert r["trainable_parameters"] == 0 and r["ms_optimizer"] == 0
+        else:
+            assert all(positive(r[key]) for key in ("ms_optimizer", "ms_optimizer_step", "host_ms_optimizer"))
+    grid = report["sections"]["step_time"]["rows"]
+    for mode, placement in (("lora", "all"), ("fora", "top half")):
+        once = next(r for r in grid if (r["mode"], r["placement"], r["checkpointing"]) == (mode, placement, False))
+        four = next(r for r in rows if (r["mode"], r["placement"], r["accumulation"]) == (mode, placement, 4))
+        assert four["log"]["num_tokens"] == 4 * once["log"]["num_tokens"]  # four micro-batches a step, not one
+    assert "fora − fg-lora" in report["sections"]["step_rows"]["text"]
 
 
 @pytest.mark.slow

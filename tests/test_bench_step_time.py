@@ -57,18 +57,31 @@ def test_ratio_table_divides_fora_by_lora_on_all_layers_and_by_fg_lora_on_the_sa
     assert step_time.find_row(rows, "lora", "top half", False) is rows[0]  # lora has one placement: all
     assert step_time.find_row(rows, "fora", "top half", True) is None
     table = step_time.format_ratio_table(rows).splitlines()
-    assert table[2] == "| off | top half | 100.0 | 60.0 | 66.0 | **0.660** | **1.100** |"
-    assert table[3] == "| off | every 2nd | 100.0 | 90.0 | 99.0 | **0.990** | **1.100** |"
+    assert table[2] == "| off | top half | — | — | 100.0 | 60.0 | 66.0 | **0.660** | **1.100** |"
+    assert table[3] == "| off | every 2nd | — | — | 100.0 | 90.0 | 99.0 | **0.990** | **1.100** |"
+    # Rows of another kind (here: accumulation 4) get a line of their own, beside the frozen base of their kind.
+    rows += [
+        {**row("lora", "all", False, 400.0), "accumulation": 4},
+        {**row("fora", "top half", False, 250.0), "accumulation": 4},
+        {**row("frozen", "all", False, 200.0), "accumulation": 4},
+    ]
+    assert step_time.find_row(rows, "lora", "all", False, accumulation=4) is rows[-3]
+    table = step_time.format_ratio_table(rows).splitlines()
+    assert table[4] == "| off | top half | accumulation 4 | 200.0 | 400.0 | — | 250.0 | **0.625** | — |"
 
 
 def test_step_timer_splits_each_step_at_the_optimizer_step(step_time, monkeypatch):
     import torch
 
-    clock = iter([1.0, 1.25, 1.5, 2.0, 2.5, 2.75])
+    clock = iter([1.0, 1.25, 1.375, 1.5, 2.0, 2.5, 2.625, 2.75])
+    host = iter([0.0, 0.5, 1.0, 1.25])  # the thread's CPU time at the optimizer phase's begin and end
     monkeypatch.setattr(step_time.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(step_time.time, "thread_time", lambda: next(host))
     timer = step_time.StepTimer(torch.device("cpu"))
     for _ in range(2):
         timer.on_step_begin(None, None, None)
         timer.on_pre_optimizer_step(None, None, None)
+        timer.on_optimizer_step(None, None, None)
         timer.on_step_end(None, None, None)
-    assert timer.milliseconds() == [(500.0, 250.0, 250.0), (750.0, 500.0, 250.0)]
+    # (step, forward + backward, optimizer phase, its optimizer.step, the host's CPU time in the phase)
+    assert timer.milliseconds() == [(500.0, 250.0, 250.0, 125.0, 500.0), (750.0, 500.0, 250.0, 125.0, 250.0)]
