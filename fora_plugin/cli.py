@@ -27,7 +27,7 @@ from .config import FoRAArguments
 from .errors import FoRAInputError
 from .evaluation import commonsense_accuracy, lm_eval_command, mt_bench_judge_command, perplexity
 from .logfilters import drop
-from .models import resolve_model_path
+from .models import check_model_folder, resolve_model_path
 from .plan import plan
 from .plots import plot_fisher_scores
 from .recipe import build_trainer, parse_config
@@ -35,7 +35,6 @@ from .report import adapter_report, kl_to_base, markdown_summary, plot_spectra
 from .validation import (
     check_adapter_folder,
     check_eval_arguments,
-    check_model_folder,
     check_nonblank_text,
     check_number,
     check_output_folder,

@@ -5,23 +5,35 @@ with pip and needs no hub access. Loading a GGUF file de-quantises the weights a
 takes a minute or two on a CPU, so it is done once: the result is saved as an ordinary float32 safetensors folder
 in a cache, and every later run loads that folder in seconds.
 
-May import: errors.
+May import: errors, validation.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import os
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Any
 
-from .errors import FoRAInputError
+from .errors import FoRAInputError, refuse
+from .validation import read_json
 
 
-__all__ = ["BUNDLED_GEMMA", "default_cache_dir", "resolve_model_path"]
+__all__ = [
+    "BUNDLED_GEMMA",
+    "SHAPE_KEYS",
+    "WEIGHT_FILES",
+    "check_model_config",
+    "check_model_folder",
+    "default_cache_dir",
+    "meta_model",
+    "resolve_model_path",
+]
 
 
 logger = logging.getLogger(__name__)
@@ -124,3 +136,133 @@ def _convert_gguf(gguf_file: Path, target: Path) -> None:
             # Another process finished the same conversion first; its folder is as good as ours.
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ model folders
+# Files that make a folder a model: transformers' weight files, single or sharded.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def check_model_folder(path: str, key: str = "model_name_or_path") -> None:
+    """Refuse a local model folder without config.json or without weights, naming what it holds."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return  # a hub name (or a .gguf, resolved elsewhere)
+    if not (folder / "config.json").is_file():
+        refuse(
+            key,
+            path,
+            f"the folder has no config.json (it holds {_listing(folder)})",
+            "Give a Hugging Face model folder (config.json, the weights and the tokenizer).",
+        )
+    check_model_config(folder / "config.json", key)
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        refuse(
+            key,
+            path,
+            f"the folder has config.json but no weights (none of {list(WEIGHT_FILES)}; it holds {_listing(folder)})",
+            "Save the model there with save_pretrained, or point to the folder that holds its weights.",
+        )
+
+
+# Keys that set a decoder's tensor shapes. A config.json without one that its architecture declares gets the config
+# class's default (LlamaConfig's hidden_size is 4096) and silently describes a model of another size.
+SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_experts",
+    "num_local_experts",
+)
+
+
+def check_model_config(path: str | os.PathLike, key: str = "model_name_or_path") -> dict[str, Any]:
+    """The mapping a model's config.json holds, read as UTF-8 JSON (file, line and column of a mistake); refused when
+    it lacks a shape key (:data:`SHAPE_KEYS`) that its architecture declares with a default. Returns it."""
+    config = read_json(path, key=f"{key} config.json")
+    if not isinstance(config, dict):
+        refuse(
+            f"{key} config.json",
+            str(path),
+            f"it holds a JSON {type(config).__name__}, not a mapping of keys",
+            "Give the config.json a model was saved with.",
+        )
+    # A multimodal config holds its decoder's keys in text_config.
+    scopes = [("", config)] + ([("text_config.", config["text_config"])] if "text_config" in config else [])
+    for scope, keys in scopes:
+        missing = _missing_shape_key(keys) if isinstance(keys, dict) else None
+        if missing is not None:
+            name, default = missing
+            refuse(
+                f"{key} config.json",
+                str(path),
+                f"it has no {scope + name!r}, which a {keys.get('model_type')!r} model needs: transformers would "
+                f"silently use its default ({default}) and build a model of another size",
+                f"Add the model's own {scope}{name} to it (from the model card or the config.json it was saved with).",
+            )
+    return config
+
+
+def _missing_shape_key(config: dict[str, Any]) -> tuple[str, Any] | None:
+    """The first shape key the config class of ``config['model_type']`` declares with a default that ``config``
+    does not set (under any of its names), with that default; None if all are set or the type is unknown here."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        cls = CONFIG_MAPPING[config.get("model_type")]
+    except KeyError:
+        return None  # a custom (trust_remote_code) or unknown type: transformers reports it when it reads the file
+    parameters = inspect.signature(cls.__init__).parameters
+    aliases = getattr(cls, "attribute_map", {}) or {}
+    for name in SHAPE_KEYS:
+        declared = next((n for n in (name, aliases.get(name)) if n in parameters), None)
+        if declared is None or parameters[declared].default in (None, inspect.Parameter.empty):
+            continue  # not this architecture's, or derived from the others when unset
+        names = {name, declared, aliases.get(name)} | {a for a, real in aliases.items() if real in (name, declared)}
+        if not names & config.keys():
+            return declared, parameters[declared].default
+    return None
+
+
+def _listing(folder: Path, limit: int = 8) -> str:
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        return "nothing"
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} entries)" if len(names) > limit else "")
+
+
+def meta_model(model: Any, trust_remote_code: bool = False, key: str = "model_name_or_path", dtype: Any = None):
+    """The model of ``model`` (a local folder or a transformers config) built on the meta device: its structure, no
+    weights read; ``dtype``: its parameters' dtype (default: the config's). A folder whose config.json transformers
+    cannot read is refused as ``key``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_utils import set_zero3_state
+
+    config = model
+    if isinstance(model, (str, os.PathLike)):
+        check_model_config(Path(model, "config.json"), key)
+        try:
+            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError) as error:  # here, on a local folder, it is about its config.json
+            refuse(
+                key,
+                str(model),
+                f"transformers cannot read its config.json ({str(error).splitlines()[0] if str(error) else error!r})",
+                "Give the folder of a causal language model saved with save_pretrained.",
+            )
+    # Under a ZeRO-3 config, from_config would partition the model with deepspeed.zero.Init, which needs DeepSpeed's
+    # process group (not joined yet when the names are checked) and ignores the meta device; set_zero3_state is
+    # transformers' own "zero.Init is already active" flag, so the model is built as it is without ZeRO-3.
+    with torch.device("meta"), set_zero3_state():
+        if dtype is None:
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)

@@ -20,7 +20,7 @@ from pathlib import Path
 from .config import FoRAArguments
 from .data import check_rows_fit, load_train_dataset
 from .errors import FoRAInputError, refuse
-from .models import resolve_model_path
+from .models import check_model_folder, resolve_model_path
 from .targets import check_target_modules, check_target_parameters, target_names
 from .trainer import FoRASFTTrainer
 from .validation import (
@@ -28,7 +28,6 @@ from .validation import (
     check_checkpoint,
     check_known_keys,
     check_lora_arguments,
-    check_model_folder,
     check_numbers,
     check_output_folder,
     check_text_file,

@@ -6,7 +6,7 @@ the adapter wiring (:mod:`fora_plugin.wiring`) and ``fora report`` share: a targ
 or parameter whose qualified name equals it or ends with ``"." + target`` (PEFT's rule); PEFT's ``base_layer`` hops
 are not part of a name; a decoder layer's index is the number after the decoder-layer list's name.
 
-May import: errors, validation.
+May import: errors, models, validation.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .errors import FoRAInputError, refuse
-from .validation import meta_model, suggestion
+from .models import meta_model
+from .validation import suggestion
 
 
 __all__ = [

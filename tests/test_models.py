@@ -1,4 +1,5 @@
-"""resolve_model_path: pass-through, GGUF cache keys and atomic writes, and the bundled Gemma-3-270M end to end."""
+"""Model folders: resolve_model_path (pass-through, GGUF cache keys and atomic writes, the bundled Gemma-3-270M end to
+end) and the folder's config.json and weights checked."""
 
 from __future__ import annotations
 
@@ -11,9 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import char_tokenizer, tiny_llama
 
 from fora_plugin import models
-from fora_plugin.models import BUNDLED_GEMMA, default_cache_dir, resolve_model_path
+from fora_plugin.models import (
+    BUNDLED_GEMMA,
+    check_model_config,
+    check_model_folder,
+    default_cache_dir,
+    resolve_model_path,
+)
 
 
 def fake_convert(calls: list[Path]):
@@ -138,3 +146,40 @@ def test_a_file_is_not_a_model_folder(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"weights\.bin is not a folder"):
         resolve_model_path(str(tmp_path / "weights.bin"), cache_dir=tmp_path / "cache")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model")
+    tiny_llama(2).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_model_folder_needs_config_and_weights(model_dir, tmp_path):
+    check_model_folder(str(model_dir))
+    check_model_folder("org/hub-model")  # a hub name: transformers resolves it
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"config\.json but no weights .*it holds config\.json\)"):
+        check_model_folder(str(tmp_path))
+
+
+def test_model_config_needs_the_shape_keys_of_its_architecture(tmp_path):
+    from transformers import GPT2Config, Qwen3MoeConfig
+
+    def written(config: dict) -> str:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        return str(tmp_path / "config.json")
+
+    gpt2 = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96).to_dict()
+    assert check_model_config(written(gpt2))["n_embd"] == 32
+    with pytest.raises(ValueError, match=r"it has no 'n_embd', which a 'gpt2' model needs: .*default \(768\)"):
+        check_model_config(written({k: v for k, v in gpt2.items() if k != "n_embd"}))
+    moe = Qwen3MoeConfig(num_experts=2).to_dict()  # saved under its attribute's name, num_local_experts
+    check_model_config(written(moe))
+    with pytest.raises(ValueError, match=r"it has no 'num_experts', which a 'qwen3_moe' model needs"):
+        check_model_config(written({k: v for k, v in moe.items() if k != "num_local_experts"}))
+    text = {k: v for k, v in tiny_llama(2).config.to_dict().items() if k != "hidden_size"}
+    with pytest.raises(ValueError, match=r"it has no 'text_config\.hidden_size', which a 'llama' model"):
+        check_model_config(written({"model_type": "custom", "text_config": text}))
+    check_model_config(written({"model_type": "not-in-transformers"}))  # transformers words its own refusal

@@ -6,7 +6,7 @@ ones, answer the ``.item()`` calls of checkpointing and masking. A 4-bit bitsand
 quantized for fisher.py (scored from x and g, no weight gradient), with one dequantized weight alive during each of
 its matmuls. Also here: the pieces of a Trainer the plan's steps use (its view, batch, autocast, LoRA's AdamW).
 
-May import: backward, fisher, plan.setup, targets, trainer, validation, wiring.
+May import: backward, fisher, models, plan.setup, targets, trainer, wiring.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from trl.trainer import sft_trainer
 
 from ..backward import disable_input_require_grads, stop_backward_at_lowest_adapted_layer
 from ..fisher import mark_quantized
+from ..models import meta_model
 from ..targets import find_decoder_layers
 from ..trainer import checkpoint_as_in_training
-from ..validation import meta_model
 from ..wiring import choose_layers
 from .setup import PlanSetup, planned_layers
 

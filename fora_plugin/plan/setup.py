@@ -5,7 +5,7 @@ Axolotl YAML through its `fora train` keys, checks the engine (DeepSpeed ZeRO, F
 and gathers the shapes, precision, LoRA and FoRA settings into a :class:`PlanSetup`; :func:`planned_placement` says
 which K layers fora and fg-lora are planned on.
 
-May import: config, errors, fsdp, recipe, selection, sharding, targets, validation, wiring, zero.
+May import: config, errors, fsdp, models, recipe, selection, sharding, targets, wiring, zero.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from trl import get_peft_config
 from .. import config as fora_config
 from ..errors import FoRAInputError
 from ..fsdp import check_fsdp
+from ..models import check_model_config
 from ..recipe import load_yaml_config, parse_config
 from ..selection import check_layer_indices, resolve_layer_budget, select_layers
 from ..sharding import ENGINES
 from ..targets import check_target_modules, check_target_parameters
-from ..validation import check_model_config
 from ..wiring import FoRASelection
 from ..zero import check_deepspeed_config, load_deepspeed_config
 
