@@ -14,12 +14,14 @@ from fora_plugin.targets import check_target_modules, check_target_parameters, t
 from fora_plugin.validation import (
     NUMBER_RULES,
     check_adapter_folder,
+    check_block,
     check_checkpoint,
     check_completions,
     check_number,
     check_output_folder,
     check_selection_matches_adapter,
     json_error_position,
+    suggestion,
 )
 
 
@@ -209,3 +211,23 @@ def test_json_errors_say_where_once():
     with pytest.raises(json.JSONDecodeError) as info:
         json.loads('{"a": 1,\n "b" 2}')
     assert json_error_position(info.value, first_line=5) == "Expecting ':' delimiter at line 6, column 6"
+
+
+def test_a_block_refuses_unknown_keys_with_the_closest_and_strings_for_lists():
+    keys = ["runs", "output_dir", "eval"]
+    assert check_block({"runs": ["a"], "eval": {}}, keys, "ablation", lists=["runs"]) == {"runs": ["a"], "eval": {}}
+    with pytest.raises(ValueError, match=r"^ablation has unknown keys \['evaluation'\]: .*did you mean eval\?$"):
+        check_block({"evaluation": {}}, keys, "ablation")
+    with pytest.raises(
+        ValueError, match=r"ablation\.runs='lora, fora' is invalid: give a list\. .*`runs: \[lora, fora\]`"
+    ):
+        check_block({"runs": "lora, fora"}, keys, "ablation", lists=["runs"])
+    with pytest.raises(ValueError, match=r"ablation=\['runs'\] is invalid: give a mapping of its keys"):
+        check_block(["runs"], keys, "ablation")
+
+
+def test_the_closest_key_is_a_near_spelling_or_the_one_key_a_name_begins_with():
+    assert suggestion("lerning_rate", ["learning_rate", "lr_scheduler_type"]) == " Did you mean learning_rate?"
+    assert suggestion("evaluation", ["eval", "runs"]) == " Did you mean eval?"
+    assert suggestion("judge", ["judge_model", "judge_timeout"]) == ""  # two keys begin with it: no guess
+    assert suggestion("xyz", ["eval", "runs"]) == ""

@@ -92,7 +92,7 @@ def plan_selection(setup: PlanSetup, model: nn.Module, planned: list[int] | None
     _, layers = find_decoder_layers(model)
     planned = planned_layers(setup, len(layers)) if planned is None else planned
     # A plan reads no scores file and scores nothing: the planned layers stand in for the run's choice.
-    fora = dataclasses.replace(setup.fora, layers=list(planned), scores_path=None)
+    fora = dataclasses.replace(setup.fora, layers=list(planned), layer_strategy="fisher", scores_path=None)
 
     def unused_score():  # fora.layers is set: choose_layers never scores
         raise ValueError("fora plan scores nothing to choose its layers: it plans the layers given to it")
