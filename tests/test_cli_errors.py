@@ -1280,6 +1280,35 @@ def test_bad_input_gives_exit_2_and_a_message(shared, tmp_path, capsys, monkeypa
     assert snapshot(tmp_path) == before
 
 
+# What the README promises for these: refused before the model loads (each was refused after it, or not at all).
+BEFORE_THE_MODEL = (
+    "dataset-sharegpt-roles-against-the-chat-template",
+    "dataset-messages-as-strings",
+    "resume-at-another-rank",
+    "eval-mt-bench-chat-template-unclosed",
+    "lora-target-modules-empty",
+    "eval-task-without-an-answer-format",
+    "eval-task-examples-without-answers",
+)
+
+
+@pytest.mark.parametrize("row", BEFORE_THE_MODEL)
+def test_these_are_refused_before_any_model_loads(shared, tmp_path, capsys, monkeypatch, offline, row):
+    from transformers import PreTrainedModel
+
+    monkeypatch.chdir(tmp_path)
+    earlier_run(tmp_path / "out")
+    _, build, message = next(c for c in CASES if c[0] == row)
+    argv = build(Ctx(shared, tmp_path))  # the row's files first: some are made with the model
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", loaded)
+    assert main(argv) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
 def test_a_run_that_fails_after_scoring_leaves_the_output_folder_as_it_was(shared, tmp_path, monkeypatch, offline):
     # The case: a run that crashed once training started had already written fora_scores.json/.png for
     # its new layers next to the earlier run's adapter. Our own failure keeps its traceback (an exception here).
