@@ -1,9 +1,10 @@
 """FoRA: Fisher-orthogonal Rank Adaptation as a plugin for PEFT, TRL and Axolotl.
 
 The public API: the config, the Stiefel adapter, Fisher scoring, layer selection, the optimizers and the TRL trainer.
-The layers of the package, each importing only those before it: errors, logfilters, stiefel, validation, targets,
-fisher, selection, adapter, config, optim, backward, memory, diagnostics, plots, monitor, sharding, zero, fsdp,
-compatibility, wiring, trainer, models, data, axolotl, recipe, evaluation, report, mt_bench, plan, ablate, cli.
+The layers of the package, each importing only those before it: errors, logfilters, stiefel, validation, files,
+models, targets, checkpoints, fisher, selection, adapter, config, optim, backward, memory, diagnostics, plots,
+monitor, sharding, zero, fsdp, compatibility, wiring, trainer, data, axolotl, recipe, evaluation, report, mt_bench,
+plan, ablate, cli.
 
 May import: every module of fora_plugin.
 """

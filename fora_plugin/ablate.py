@@ -8,7 +8,7 @@ KL(p_trained ‖ p_base). The effective rank is that of the merged ΔW (merged m
 rescaling counts as it does in the model. A run whose ``results.json`` exists is not trained again, so an interrupted
 ablation resumes.
 
-May import: data, errors, evaluation, mt_bench, plots, recipe, report, validation.
+May import: config, data, errors, evaluation, mt_bench, plots, recipe, report, validation.
 """
 
 from __future__ import annotations
@@ -23,27 +23,65 @@ from typing import Any
 import yaml
 
 from . import mt_bench
+from .config import MODE_PARTS
 from .data import read_json
-from .errors import FoRAInputError
-from .evaluation import commonsense_accuracy, completion_loss
+from .errors import FoRAInputError, refuse
+from .evaluation import check_commonsense_examples, commonsense_accuracy, completion_loss
 from .plots import pyplot
 from .recipe import build_trainer, load_yaml_config, parse_config
 from .report import adapter_report, kl_to_base, merged_mean_effective_rank
-from .validation import check_ablation_block, check_file, check_nonblank_text, check_output_folder, check_text_file
+from .validation import (
+    check_block,
+    check_file,
+    check_nonblank_text,
+    check_numbers,
+    check_output_folder,
+    check_text_file,
+)
 
 
 __all__ = [
+    "ABLATION_EVAL_KEYS",
+    "ABLATION_KEYS",
     "RUNS",
     "ablation_table",
+    "check_ablation_block",
     "evaluate_run",
     "load_ablation_config",
     "plot_ablation",
     "run_ablation",
+    "run_config",
     "run_overrides",
 ]
 
 
 RUNS = ("lora", "fg-lora", "stiefel-lora", "fora", "lora-half-rank", "random-k", "dora", "rslora")
+# The keys of the `ablation:` block and of its `eval:` block; the numbers' rules are validation.NUMBER_RULES'.
+ABLATION_KEYS = ("runs", "output_dir", "eval")
+ABLATION_EVAL_KEYS = (
+    "commonsense_dir",
+    "tasks",
+    "max_examples",
+    "batch_size",
+    "max_new_tokens",
+    "eval_loss_examples",
+    "kl_text",
+    "kl_max_tokens",
+    "mt_bench",
+)
+_EVAL_NUMBERS = ("max_examples", "batch_size", "max_new_tokens", "kl_max_tokens", "eval_loss_examples")
+# eval keys that apply only with another one: key -> the key it needs.
+_EVAL_NEEDS = {
+    "tasks": "commonsense_dir",
+    "commonsense_dir": "tasks",
+    "max_examples": "tasks",
+    "batch_size": "tasks",
+    "max_new_tokens": "tasks",
+    "eval_loss_examples": "tasks",
+    "kl_max_tokens": "kl_text",
+}
+# The fora_* keys that say how the layers are chosen: a run that adapts every layer, or picks its own, drops them.
+_SELECTION_KEYS = ("fora_layers", "fora_scores_path", "fora_layer_strategy")
 
 
 def run_overrides(name: str, lora_r: int, lora_alpha: int) -> list[str]:
@@ -71,6 +109,70 @@ def run_overrides(name: str, lora_r: int, lora_alpha: int) -> list[str]:
     return table[name]
 
 
+def run_config(data: dict[str, Any], name: str) -> dict[str, Any]:
+    """The training config of run ``name``: the shared one without the layer-choosing keys the run decides itself
+    (every layer for the all-layer runs, K random layers for random-k), which its mode or strategy would refuse."""
+    overrides = run_overrides(name, 2, 2)
+    every_layer = not MODE_PARTS[overrides[overrides.index("--fora_mode") + 1]][0]
+    if every_layer or "--fora_layer_strategy" in overrides:
+        return {k: v for k, v in data.items() if k not in _SELECTION_KEYS}
+    return dict(data)
+
+
+def check_ablation_block(block: Any, config: str, runs: tuple[str, ...] = RUNS) -> None:
+    """Refuse an ``ablation:`` block with an unknown key (a misspelt ``runs`` or ``eval`` would be ignored), no runs,
+    unknown or repeated runs, a bad output_dir, an ``eval:`` block with an unknown key, tasks that are not a list or
+    repeat one, a key that applies only with another that is missing, or out-of-range numbers."""
+    check_block(block, ABLATION_KEYS, "ablation", lists=("runs",))
+    if "runs" in block:
+        given = block["runs"]
+        if not isinstance(given, list) or not given:
+            refuse(
+                "ablation.runs",
+                given,
+                f"give a non-empty list of runs (some of {list(runs)})",
+                f"In {config}: `runs: [lora, fora]`, or remove `runs` for all of them.",
+            )
+        unknown = [r for r in given if r not in runs]
+        if unknown:
+            raise FoRAInputError(f"ablation runs {unknown} are unknown; use some of {list(runs)}.")
+        _check_once("ablation.runs", given, "each run trains once and is one table row")
+    if "output_dir" in block:
+        check_output_folder(str(block["output_dir"]), "ablation.output_dir")
+    evaluation = block.get("eval")
+    if evaluation is None:
+        return
+    check_block(evaluation, ABLATION_EVAL_KEYS, "ablation.eval", lists=("tasks",))
+    tasks = evaluation.get("tasks")
+    if tasks is not None:
+        bad = [t for t in tasks if not isinstance(t, str) or not t.strip()]
+        if bad:
+            refuse("ablation.eval.tasks", tasks, f"{bad[0]!r} is not a task name", "List task folder names.")
+        _check_once("ablation.eval.tasks", tasks, "each task is evaluated once and is one table column")
+    check_numbers(evaluation, _EVAL_NUMBERS, prefix="ablation.eval.")
+    for key, needed in _EVAL_NEEDS.items():
+        if evaluation.get(key) in (None, 0) and key == "eval_loss_examples":
+            continue  # 0: no held-out loss, which needs no tasks
+        if evaluation.get(key) is not None and evaluation.get(needed) in (None, [], ""):
+            refuse(
+                f"ablation.eval.{key}",
+                evaluation[key],
+                f"it applies only with ablation.eval.{needed}, which is not set, so it would be ignored",
+                f"Set {needed} too, or drop {key}.",
+            )
+
+
+def _check_once(key: str, given: list, why: str) -> None:
+    twice = sorted({str(r) for r in given if given.count(r) > 1})
+    if twice:
+        refuse(
+            key,
+            given,
+            f"{twice[0]!r} is listed {given.count(twice[0])} times: {why}",
+            f"List each once, e.g. `{key.rsplit('.', 1)[-1]}: [{', '.join(map(str, dict.fromkeys(given)))}]`.",
+        )
+
+
 def _resolve(path: str, base: Path) -> str:
     candidate = Path(path)
     if not candidate.is_absolute() and not candidate.exists() and (base / candidate).exists():
@@ -88,7 +190,7 @@ def load_ablation_config(config: str) -> tuple[dict[str, Any], dict[str, Any]]:
             f"{config} has no `ablation:` block: add one with `runs`, `output_dir` and `eval` "
             "(see example_configs/ablation_gemma270m.yaml)."
         )
-    check_ablation_block(block, config, RUNS)
+    check_ablation_block(block, config)
     base = path.resolve().parent
     if not data.get("dataset_name"):
         raise FoRAInputError(f"{config} has no dataset_name: name a local .json/.jsonl file or a `datasets` name.")
@@ -111,13 +213,21 @@ def load_ablation_config(config: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return data, block
 
 
-def _check_training_keys(data: dict[str, Any], overrides: list[str], config: str) -> None:
-    """The training keys and overrides every run shares, checked (messages naming ``config``) before the ablation
-    writes anything: otherwise the first run would refuse them after train_config.yaml was written."""
+def _check_training_keys(data: dict[str, Any], overrides: list[str], config: str, runs: list[str]) -> None:
+    """The training keys and overrides every run shares, then each of ``runs`` with its own settings, checked
+    (messages naming ``config``) before the ablation writes anything: otherwise a run would refuse them after the
+    runs before it trained."""
     with tempfile.TemporaryDirectory() as scratch:
         derived = Path(scratch) / "train_config.yaml"
         derived.write_text(yaml.safe_dump(data, sort_keys=False))
         parse_config(str(derived), list(overrides), shown_as=config)
+        for name in runs:
+            derived.write_text(yaml.safe_dump(run_config(data, name), sort_keys=False))
+            args = run_overrides(name, data.get("lora_r", 16), data.get("lora_alpha", 32))
+            try:
+                parse_config(str(derived), [*args, *overrides], shown_as=config)
+            except FoRAInputError as error:
+                raise FoRAInputError(f"ablation run {name!r} ({' '.join(args)}): {error}") from None
 
 
 def _held_out(evaluation: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -129,7 +239,13 @@ def _held_out(evaluation: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
         file = folder / task / "test.json"
         if not file.is_file():
             raise FoRAInputError(f"No test file for task {task!r} at {file}.")
-        held_out[task] = read_json(file)[:limit]
+        # The held-out loss reads each example's output too.
+        fields = (
+            ("instruction", "answer", "output")
+            if evaluation.get("eval_loss_examples", 40)
+            else ("instruction", "answer")
+        )
+        held_out[task] = check_commonsense_examples(task, read_json(file), str(file), fields)[:limit]
     return held_out
 
 
@@ -164,7 +280,8 @@ def run_ablation(config: str, overrides: list[str]) -> Path:
     evaluation = block["eval"]
     held_out = _held_out(evaluation)  # a missing or malformed task file is refused before anything is written
     judge = _mt_bench_prepared(evaluation)  # questions, references, key and judge server too
-    _check_training_keys(data, overrides, config)
+    runs = [name for name in block.get("runs", RUNS) if not (out / name / "results.json").is_file()]
+    _check_training_keys(data, overrides, config, runs)
     out.mkdir(parents=True, exist_ok=True)
     train_config = out / "train_config.yaml"
     train_config.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -178,7 +295,13 @@ def run_ablation(config: str, overrides: list[str]) -> Path:
             continue
         print(f"\n[{name}] training")
         args = run_overrides(name, data.get("lora_r", 16), data.get("lora_alpha", 32))
-        trainer = build_trainer(str(train_config), [*args, *overrides, "--output_dir", str(run_dir)])
+        own = run_config(data, name)
+        config_file = train_config
+        if own != data:  # the run's own config, without the keys it decides itself, kept with its outputs
+            run_dir.mkdir(parents=True, exist_ok=True)
+            config_file = run_dir / "train_config.yaml"
+            config_file.write_text(yaml.safe_dump(own, sort_keys=False))
+        trainer = build_trainer(str(config_file), [*args, *overrides, "--output_dir", str(run_dir)])
         started = time.perf_counter()
         trainer.train()
         train_seconds = time.perf_counter() - started

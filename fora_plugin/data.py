@@ -1,4 +1,5 @@
-"""Training data for `fora train`: a local JSON/JSONL file or a `datasets` name, with Alpaca rows made TRL-ready.
+"""Training data for `fora train`: a local JSON/JSONL file, a `save_to_disk` folder or a `datasets` name, its
+columns' types and (conversations) their chat template checked; Alpaca rows made TRL-ready.
 
 Alpaca rows (`instruction`, `input`, `output`) become prompt/completion pairs in the Stanford Alpaca template.
 TRL's `SFTTrainer` trains such datasets with the loss on the completion only (its default
@@ -13,14 +14,22 @@ import json
 import warnings
 from pathlib import Path
 
-from datasets import Dataset, load_dataset
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from datasets.exceptions import DatasetGenerationError
 
-from .errors import FoRAInputError, refuse
+from .errors import FoRAInputError, path_refusal, refuse
 from .validation import check_completions, check_json_rows_file, json_error_position, read_json
 
 
-__all__ = ["alpaca_to_prompt_completion", "check_columns", "check_rows_fit", "load_train_dataset", "read_json"]
+__all__ = [
+    "alpaca_to_prompt_completion",
+    "check_chat_rows",
+    "check_column_types",
+    "check_columns",
+    "check_rows_fit",
+    "load_train_dataset",
+    "read_json",
+]
 
 
 ALPACA_PROMPT_WITH_INPUT = (
@@ -43,6 +52,13 @@ ACCEPTED_FORMATS = (
     (("text",), "plain text"),
 )
 _JSON_SUFFIXES = (".json", ".jsonl")
+# What `Dataset.save_to_disk` / `DatasetDict.save_to_disk` write into their folder.
+_SAVED_DATASET = ("state.json", "dataset_info.json")
+_SAVED_DATASET_DICT = "dataset_dict.json"
+# Columns of text, and columns that hold a conversation (a list of {role, content}) or, for prompt/completion, either.
+_TEXT_COLUMNS = ("text", "instruction", "input", "output")
+_CONVERSATION_COLUMNS = ("messages",)
+_TEXT_OR_CONVERSATION_COLUMNS = ("prompt", "completion")
 
 
 def alpaca_to_prompt_completion(row: dict) -> dict:
@@ -64,11 +80,17 @@ def load_train_dataset(
     """Load one split of a local `.json`/`.jsonl` file (or folder of them) or of a `datasets` hub dataset.
 
     A relative local path is looked up in the current directory, then in `base_dir` (the YAML config's folder).
-    Alpaca-format rows are converted with `alpaca_to_prompt_completion`; other datasets are returned unchanged.
+    A folder that `save_to_disk` wrote is loaded with `datasets.load_from_disk`. Alpaca-format rows are converted with
+    `alpaca_to_prompt_completion`; other datasets are returned unchanged.
     """
-    local = _find_local(name_or_path, base_dir)
+    try:
+        local = _find_local(name_or_path, base_dir)
+    except OSError as error:  # a name too long to be a path, a file where a folder must be
+        raise (path_refusal(error, "dataset_name") or error) from None
     if local is None:
         dataset = _load_hub_dataset(name_or_path, config_name, split)
+    elif local.is_dir() and _is_saved_dataset(local):
+        dataset = _load_saved_dataset(local, config_name, split)
     else:
         if config_name is not None:
             raise FoRAInputError(
@@ -103,6 +125,7 @@ def load_train_dataset(
 
     where = str(local) if local is not None else f"dataset {name_or_path!r} (split {split!r})"
     check_columns(dataset.column_names, where)
+    check_column_types(dataset, where)
     if len(dataset) == 0:
         raise FoRAInputError(f"{where} has no rows: give a dataset with training examples.")
     columns = set(dataset.column_names)
@@ -126,6 +149,55 @@ def _load_hub_dataset(name: str, config_name: str | None, split: str) -> Dataset
             "looked up in the current directory, then next to the config), or a hub dataset name on a machine with "
             "network access (or in the `datasets` cache)."
         ) from error
+    except Exception as error:  # what `datasets` raises for a name, config or split it has (ValueError, KeyError, ...)
+        refuse(
+            "dataset_name",
+            name,
+            f"`datasets` cannot load split {split!r}"
+            + (f" of config {config_name!r}" if config_name else "")
+            + f" ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",
+            "Check dataset_config and dataset_train_split / dataset_test_split against the dataset's card.",
+        )
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    return (folder / _SAVED_DATASET_DICT).is_file() or all((folder / name).is_file() for name in _SAVED_DATASET)
+
+
+def _load_saved_dataset(folder: Path, config_name: str | None, split: str) -> Dataset:
+    """One split of a folder that `Dataset.save_to_disk` or `DatasetDict.save_to_disk` wrote."""
+    if config_name is not None:
+        refuse(
+            "dataset_config",
+            config_name,
+            f"{folder} is a `save_to_disk` folder, which has no configs",
+            "Remove dataset_config.",
+        )
+    try:
+        saved = load_from_disk(str(folder))
+    except Exception as error:  # datasets' errors for a damaged folder are of several types
+        refuse(
+            "dataset_name",
+            str(folder),
+            f"it looks like a `save_to_disk` folder, but `datasets.load_from_disk` cannot load it "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",
+            "Save the dataset again with save_to_disk, or give a .json/.jsonl file.",
+        )
+    if isinstance(saved, DatasetDict):
+        if split not in saved:
+            refuse(
+                "split",
+                split,
+                f"the `save_to_disk` folder {folder} holds the splits {sorted(saved)}",
+                "Name one of them (dataset_train_split / dataset_test_split).",
+            )
+        return saved[split]
+    if split != "train":
+        raise FoRAInputError(
+            f"split={split!r} is not in the `save_to_disk` folder {str(folder)!r}, which holds one Dataset (used as "
+            "the 'train' split). Use split: train, or save a DatasetDict with that split."
+        )
+    return saved
 
 
 def check_columns(columns: list[str], where: str) -> None:
@@ -137,6 +209,90 @@ def check_columns(columns: list[str], where: str) -> None:
         f"{where} has rows with columns {sorted(columns)}, which is none of the accepted formats: {accepted}. "
         "Rename the columns (e.g. question -> instruction, answer -> output)."
     )
+
+
+def _is_text(feature) -> bool:
+    return getattr(feature, "dtype", None) in ("string", "large_string")
+
+
+def _is_conversation(feature) -> bool:
+    """A list (``List``, ``LargeList``, ``Sequence`` or a one-item list) of mappings with ``role`` and ``content``."""
+    inner = feature[0] if isinstance(feature, list) and len(feature) == 1 else getattr(feature, "feature", None)
+    return isinstance(inner, dict) and {"role", "content"} <= set(inner)
+
+
+def check_column_types(dataset: Dataset, where: str, key: str = "dataset_name") -> None:
+    """Refuse a column of a row format that holds the wrong kind of value in every row (``datasets`` gives each
+    column one type): text columns hold strings, ``messages`` a list of ``{role, content}`` per row, prompt and
+    completion either. TRL would drop such a column without a word and fail later, after the model loaded."""
+    features = dataset.features
+    for column, feature in features.items():
+        if column in _TEXT_COLUMNS:
+            ok = _is_text(feature) or (column == "input" and getattr(feature, "dtype", None) == "null")
+            accepted = "a string per row"
+        elif column in _CONVERSATION_COLUMNS:
+            ok, accepted = _is_conversation(feature), 'a list of {"role": ..., "content": ...} messages per row'
+        elif column in _TEXT_OR_CONVERSATION_COLUMNS:
+            ok = _is_text(feature) or _is_conversation(feature)
+            accepted = 'a string per row, or a list of {"role": ..., "content": ...} messages'
+        else:
+            continue  # other columns are not read
+        if ok:
+            continue
+        example = repr(dataset[0][column]) if len(dataset) else "-"
+        example = example if len(example) <= 60 else example[:57] + "..."
+        fix = (
+            'Give each row a list of messages, e.g. [{"role": "user", "content": "..."}, {"role": "assistant", '
+            '"content": "..."}] (ShareGPT\'s from/value keys: rename them role/content), or name a column of whole '
+            "texts `text`."
+            if column in _CONVERSATION_COLUMNS + _TEXT_OR_CONVERSATION_COLUMNS
+            else f"Make every row's {column} a string."
+        )
+        refuse(key, where, f"its column {column!r} holds {feature} (row 0: {example}), not {accepted}", fix)
+
+
+def check_chat_rows(dataset: Dataset, tokenizer, where: str, model: str, key: str = "dataset_name") -> None:
+    """Refuse conversational rows that the chat template cannot render, before the model loads: one row of each
+    distinct sequence of roles is rendered as TRL renders it, and whatever the template raises (an unknown role,
+    a missing system prompt) is named with the row."""
+    column = next((c for c in ("messages", "prompt") if c in dataset.column_names), None)
+    if column is None or not _is_conversation(dataset.features[column]):
+        return
+    if tokenizer.chat_template is None:
+        refuse(
+            key,
+            where,
+            f"its rows are conversations ({column!r}), but the tokenizer of {model} has no chat template for them",
+            "Set chat_template_path to a .jinja template (or to a model with one), or give the rows as "
+            "prompt/completion text.",
+        )
+    completions = dataset["completion"] if column == "prompt" and "completion" in dataset.column_names else None
+    tools = dataset["tools"] if "tools" in dataset.column_names else None
+    seen: set[tuple] = set()
+    for index, conversation in enumerate(dataset[column]):
+        conversation = list(conversation) + (list(completions[index]) if completions is not None else [])
+        roles = tuple(str(m.get("role")) for m in conversation)
+        if roles in seen:
+            continue
+        seen.add(roles)
+        try:
+            tokenizer.apply_chat_template(
+                conversation, tools=tools[index] if tools is not None else None, tokenize=False
+            )
+        except Exception as error:  # a template raises what its author chose (TemplateError, TypeError, ...)
+            sharegpt = {"human", "gpt"} & set(roles)
+            fix = (
+                "ShareGPT's roles: rename human -> user and gpt -> assistant."
+                if sharegpt
+                else "Use roles and fields this template takes, or set chat_template_path to a template for them."
+            )
+            refuse(
+                key,
+                where,
+                f"row {index}'s conversation (roles {list(roles)}) cannot be rendered by the chat template of {model} "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",
+                fix,
+            )
 
 
 def _first_json_problem(files: list[str]) -> str | None:

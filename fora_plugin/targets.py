@@ -6,7 +6,7 @@ the adapter wiring (:mod:`fora_plugin.wiring`) and ``fora report`` share: a targ
 or parameter whose qualified name equals it or ends with ``"." + target`` (PEFT's rule); PEFT's ``base_layer`` hops
 are not part of a name; a decoder layer's index is the number after the decoder-layer list's name.
 
-May import: errors, validation.
+May import: errors, models, validation.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .errors import FoRAInputError, refuse
-from .validation import meta_model, suggestion
+from .models import meta_model
+from .validation import suggestion
 
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "check_target_modules",
     "check_target_parameters",
     "find_decoder_layers",
+    "fused_target_names",
     "is_linear_like",
     "layer_index",
     "matches_target",
@@ -175,6 +177,7 @@ def check_target_modules(
     absent = [t for t in targets if not any(matches_target(n, [t]) for n in names)]
     fused = _fused_expert_names(meta)
     _check_fused_groups(targets, fused, key, meta)
+    _check_converted_without_experts(targets, key, meta)
     absent = [t for t in absent if t not in fused]
     if absent:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})
@@ -189,9 +192,10 @@ def check_target_modules(
         )
 
 
-def _fused_expert_names(model: Any) -> dict[str, tuple[str, list[str]]]:
-    """For a model whose MoE experts PEFT converts (transformers 5 fused them): each pre-fusion target name ->
-    (the fused parameter it is part of, every name fused into that parameter). Empty for other models."""
+def fused_target_names(model_type: str | None) -> dict[str, tuple[str, list[str]]]:
+    """PEFT's renaming of LoRA target names for a model type whose MoE experts transformers 5 fused: each name ->
+    (the fused parameter's name, every name fused into it), as get_peft_model applies it to every model of that type.
+    Empty for other types (and PEFT releases without the conversion)."""
     try:  # PEFT's own tables of the conversion it makes in get_peft_model (absent from older releases)
         from peft.utils.transformers_weight_conversion import (
             _MODEL_TO_CONVERSION_PATTERN,
@@ -200,15 +204,56 @@ def _fused_expert_names(model: Any) -> dict[str, tuple[str, list[str]]]:
         )
     except ImportError:
         return {}
-    kind = _MODEL_TO_CONVERSION_PATTERN.get(getattr(model.config, "model_type", None))
-    mapping = _MOE_TARGET_MODULE_MAPPING.get(kind) or {}
+    kind = _MODEL_TO_CONVERSION_PATTERN.get(model_type)
     fused = _MOE_FUSED_TARGETS.get(kind) or {}
-    leaves = {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.dim() >= 3}
     return {
-        old: (new, list(fused.get(new, [old])))
-        for old, new in mapping.items()
-        if new in leaves  # a name the router keeps (gate -> gate.weight) is a module, not a fused expert
+        old: (new, list(fused.get(new, [old]))) for old, new in (_MOE_TARGET_MODULE_MAPPING.get(kind) or {}).items()
     }
+
+
+def _expert_parameter_names(model: Any) -> set[str]:
+    """The last name part of the model's fused expert parameters (3-D: one matrix per expert)."""
+    return {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.dim() >= 3}
+
+
+def _fused_expert_names(model: Any) -> dict[str, tuple[str, list[str]]]:
+    """For a model whose MoE experts PEFT converts (transformers 5 fused them): each pre-fusion target name ->
+    (the fused parameter it is part of, every name fused into that parameter). Empty for other models."""
+    leaves = _expert_parameter_names(model)
+    return {
+        old: converted
+        for old, converted in fused_target_names(getattr(model.config, "model_type", None)).items()
+        if converted[0] in leaves  # a name the router keeps (gate -> gate.weight) is a module, not a fused expert
+    }
+
+
+def _check_converted_without_experts(targets: list[str], key: str, model: Any) -> None:
+    """Refuse targets that PEFT renames to fused expert parameters (by the model's type) on a model that has none of
+    them (a ``qwen3_moe`` config with ``num_experts: 0``: every MLP is dense): PEFT would stop on a partial group
+    or, with the whole group, adapt nothing there."""
+    model_type = getattr(model.config, "model_type", None)
+    converted = fused_target_names(model_type)
+    experts = _expert_parameter_names(model)
+    # A name PEFT turns into a module's parameter (the router: gate -> gate.weight) is not an expert's.
+    expert_names = {old for old, (new, _) in converted.items() if "." not in new}
+    renamed = [
+        t
+        for t in targets
+        if t.rsplit(".", 1)[-1] in expert_names and converted[t.rsplit(".", 1)[-1]][0] not in experts
+    ]
+    if renamed:
+        fused = sorted({converted[t.rsplit(".", 1)[-1]][0] for t in renamed})
+        kept = [t for t in targets if t not in renamed]
+        refuse(
+            key,
+            list(targets),
+            f"PEFT renames {renamed} for every {model_type!r} model to its fused MoE expert parameters ({fused}), but "
+            "this model has no such parameter (no MoE experts: every MLP is dense, e.g. with num_experts 0), so "
+            "those targets would adapt nothing",
+            "Check the model's config.json (its num_experts), or target "
+            + (f"only {kept}" if kept else "attention modules such as [q_proj, v_proj]")
+            + ".",
+        )
 
 
 def _check_fused_groups(targets: list[str], fused: dict[str, tuple[str, list[str]]], key: str, model: Any) -> None:

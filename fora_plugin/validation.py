@@ -3,7 +3,7 @@
 Every check runs before the libraries see the value (PEFT, TRL, ``datasets``, torch) and before heavy work (the model
 is loaded only after everything that can be checked without it). A refusal is a ``ValueError`` naming the key, the
 value, what is accepted and the fix; the CLI prints it as one line and exits with 2. A library error that still
-reaches a user is a bug of ours: a check belongs here.
+reaches a user is a bug of ours: a check belongs in the module of the thing it checks (models, data, ...).
 
 The numeric rules are one table, :data:`NUMBER_RULES`, that ``fora train``/``score``/``ablate`` (SFTConfig and
 ModelConfig keys), ``fora eval``/``report`` flags and ``ablation.eval`` read.
@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import FoRAInputError, refuse
+from .errors import FoRAInputError, path_refusal, refuse
 
 
 __all__ = [
-    "ABLATION_EVAL_KEYS",
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
     "AXOLOTL_KEYS",
@@ -37,13 +36,11 @@ __all__ = [
     "NUMBER_RULES",
     "RESUME_LAST",
     "RESUME_OFF",
-    "SHAPE_KEYS",
     "TRAINER_STATE",
     "TRAINING_KEYS",
-    "WEIGHT_FILES",
     "Rule",
-    "check_ablation_block",
     "check_adapter_folder",
+    "check_block",
     "check_checkpoint",
     "check_choice",
     "check_completions",
@@ -53,9 +50,8 @@ __all__ = [
     "check_int",
     "check_json_rows_file",
     "check_known_keys",
+    "check_list",
     "check_lora_arguments",
-    "check_model_config",
-    "check_model_folder",
     "check_nonblank_text",
     "check_number",
     "check_numbers",
@@ -66,7 +62,6 @@ __all__ = [
     "is_integer",
     "is_real",
     "json_error_position",
-    "meta_model",
     "read_json",
     "resolve_checkpoint",
     "resumes",
@@ -74,13 +69,6 @@ __all__ = [
 ]
 
 
-# Files that make a folder a model: transformers' weight files, single or sharded.
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # What HF Trainer saves in every checkpoint folder and reads first when resuming.
@@ -238,7 +226,6 @@ AXOLOTL_KEYS = LORA_KEYS + (
     "eval_steps",
     "seed",
 )
-ABLATION_EVAL_KEYS = ("max_examples", "batch_size", "max_new_tokens", "kl_max_tokens", "eval_loss_examples")
 
 
 def check_number(key: str, value: Any, name: str | None = None) -> None:
@@ -272,6 +259,15 @@ def check_training_arguments(training_args: Any, model_args: Any) -> None:
 
 def check_lora_arguments(model_args: Any) -> None:
     """The LoRA keys' rules across keys (ModelConfig), checked before PEFT meets them on the loaded model."""
+    if not model_args.lora_target_modules and model_args.lora_target_modules is not None:
+        if not model_args.lora_target_parameters:
+            refuse(
+                "lora_target_modules",
+                model_args.lora_target_modules,
+                "name at least one module to adapt (or fused expert parameters in lora_target_parameters)",
+                "E.g. lora_target_modules: [q_proj, k_proj, v_proj, up_proj, down_proj], or leave it unset for PEFT's "
+                "default of the architecture.",
+            )
     if model_args.lora_target_parameters and model_args.lora_dropout:
         refuse(
             "lora_dropout",
@@ -299,9 +295,13 @@ def check_eval_arguments(args: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------- names and keys
 def suggestion(name: str, known: Iterable[str]) -> str:
-    """' Did you mean X?' for the closest of ``known``, or ''."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
-    return f" Did you mean {close[0]}?" if close else ""
+    """' Did you mean X?' for the closest of ``known`` (difflib), or else the one known name that ``name`` begins
+    with or that begins with ``name`` (``evaluation`` -> ``eval``), or ''."""
+    known = list(known)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+    if not close and len(name) >= 3:
+        close = [k for k in known if len(k) >= 3 and (name.startswith(k) or k.startswith(name))]
+    return f" Did you mean {close[0]}?" if len(close) == 1 else ""
 
 
 def check_known_keys(given: Iterable[str], known: Iterable[str], where: str, what: str, known_as: str) -> None:
@@ -314,33 +314,32 @@ def check_known_keys(given: Iterable[str], known: Iterable[str], where: str, wha
         raise FoRAInputError(f"{where} has unknown {what} {unknown}: they are none of {known_as}.{hints}")
 
 
-def meta_model(model: Any, trust_remote_code: bool = False, key: str = "model_name_or_path", dtype: Any = None):
-    """The model of ``model`` (a local folder or a transformers config) built on the meta device: its structure, no
-    weights read; ``dtype``: its parameters' dtype (default: the config's). A folder whose config.json transformers
-    cannot read is refused as ``key``."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_utils import set_zero3_state
+def check_list(key: str, value: Any) -> None:
+    """Refuse ``value`` for ``key``, a key that holds a list, unless it is a list: a string would be read as its
+    characters (or dropped); the fix writes it as a YAML list."""
+    if isinstance(value, list):
+        return
+    items = value.replace(",", " ").split() if isinstance(value, str) else [value]
+    refuse(
+        key,
+        value,
+        "give a list",
+        f"Write it as a YAML list: `{key.rsplit('.', 1)[-1]}: [{', '.join(map(str, items))}]`.",
+    )
 
-    config = model
-    if isinstance(model, (str, os.PathLike)):
-        check_model_config(Path(model, "config.json"), key)
-        try:
-            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError, KeyError) as error:  # here, on a local folder, it is about its config.json
-            refuse(
-                key,
-                str(model),
-                f"transformers cannot read its config.json ({str(error).splitlines()[0] if str(error) else error!r})",
-                "Give the folder of a causal language model saved with save_pretrained.",
-            )
-    # Under a ZeRO-3 config, from_config would partition the model with deepspeed.zero.Init, which needs DeepSpeed's
-    # process group (not joined yet when the names are checked) and ignores the meta device; set_zero3_state is
-    # transformers' own "zero.Init is already active" flag, so the model is built as it is without ZeRO-3.
-    with torch.device("meta"), set_zero3_state():
-        if dtype is None:
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
+
+def check_block(block: Any, known: Iterable[str], where: str, *, lists: Iterable[str] = ()) -> Mapping[str, Any]:
+    """Refuse a config block (an ``ablation:`` block, its ``eval:``, MT-Bench's options) that is not a mapping, that
+    holds a key not in ``known`` (each with its closest known key: a misspelt key would be ignored), or whose key of
+    ``lists`` is given something else than a list. Returns the block."""
+    known = list(known)
+    if not isinstance(block, Mapping):
+        refuse(where, block, f"give a mapping of its keys ({', '.join(known)})")
+    check_known_keys(list(block), known, where, "keys", f"its keys ({', '.join(known)})")
+    for key in lists:
+        if block.get(key) is not None:
+            check_list(f"{where}.{key}", block[key])
+    return block
 
 
 # ------------------------------------------------------------------------------------------------------- paths
@@ -350,7 +349,13 @@ def check_output_folder(path: str | os.PathLike, key: str) -> None:
     Writability is tried, not guessed from permission bits (which say nothing for root or read-only mounts): an
     unnamed temporary file in the folder, or in its nearest existing parent, which leaves no trace.
     """
-    folder = Path(path).expanduser()
+    try:
+        _check_output_folder(Path(path).expanduser(), str(path), key)
+    except OSError as error:  # a path too long, or under a file: the operating system's refusal, named
+        raise (path_refusal(error, key) or error) from None
+
+
+def _check_output_folder(folder: Path, path: str, key: str) -> None:
     if folder.exists() and not folder.is_dir():
         raise FoRAInputError(
             f"{key}={str(path)!r} is a file, not a folder: the outputs (adapter, checkpoints, fora_scores.json, "
@@ -360,14 +365,14 @@ def check_output_folder(path: str | os.PathLike, key: str) -> None:
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        refuse(key, str(path), f"{existing} is a file, so no folder can be made under it", "Give a folder's path.")
+        refuse(key, path, f"{existing} is a file, so no folder can be made under it", "Give a folder's path.")
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as error:
         refuse(
             key,
-            str(path),
+            path,
             f"{existing} is not writable ({error.strerror or error})",
             "Give a folder you can write to, or fix its permissions.",
         )
@@ -377,99 +382,6 @@ def check_file(path: str | os.PathLike | None, key: str) -> None:
     """Refuse a path that is not an existing file."""
     if path is not None and not Path(path).is_file():
         refuse(key, str(path), "it is not a file", "Give the path of an existing file.")
-
-
-def check_model_folder(path: str, key: str = "model_name_or_path") -> None:
-    """Refuse a local model folder without config.json or without weights, naming what it holds."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        return  # a hub name (or a .gguf, resolved elsewhere)
-    if not (folder / "config.json").is_file():
-        refuse(
-            key,
-            path,
-            f"the folder has no config.json (it holds {_listing(folder)})",
-            "Give a Hugging Face model folder (config.json, the weights and the tokenizer).",
-        )
-    check_model_config(folder / "config.json", key)
-    if not any((folder / name).is_file() for name in WEIGHT_FILES):
-        refuse(
-            key,
-            path,
-            f"the folder has config.json but no weights (none of {list(WEIGHT_FILES)}; it holds {_listing(folder)})",
-            "Save the model there with save_pretrained, or point to the folder that holds its weights.",
-        )
-
-
-# Keys that set a decoder's tensor shapes. A config.json without one that its architecture declares gets the config
-# class's default (LlamaConfig's hidden_size is 4096) and silently describes a model of another size.
-SHAPE_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "moe_intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_experts",
-    "num_local_experts",
-)
-
-
-def check_model_config(path: str | os.PathLike, key: str = "model_name_or_path") -> dict[str, Any]:
-    """The mapping a model's config.json holds, read as UTF-8 JSON (file, line and column of a mistake); refused when
-    it lacks a shape key (:data:`SHAPE_KEYS`) that its architecture declares with a default. Returns it."""
-    config = read_json(path, key=f"{key} config.json")
-    if not isinstance(config, dict):
-        refuse(
-            f"{key} config.json",
-            str(path),
-            f"it holds a JSON {type(config).__name__}, not a mapping of keys",
-            "Give the config.json a model was saved with.",
-        )
-    # A multimodal config holds its decoder's keys in text_config.
-    scopes = [("", config)] + ([("text_config.", config["text_config"])] if "text_config" in config else [])
-    for scope, keys in scopes:
-        missing = _missing_shape_key(keys) if isinstance(keys, dict) else None
-        if missing is not None:
-            name, default = missing
-            refuse(
-                f"{key} config.json",
-                str(path),
-                f"it has no {scope + name!r}, which a {keys.get('model_type')!r} model needs: transformers would "
-                f"silently use its default ({default}) and build a model of another size",
-                f"Add the model's own {scope}{name} to it (from the model card or the config.json it was saved with).",
-            )
-    return config
-
-
-def _missing_shape_key(config: dict[str, Any]) -> tuple[str, Any] | None:
-    """The first shape key the config class of ``config['model_type']`` declares with a default that ``config``
-    does not set (under any of its names), with that default; None if all are set or the type is unknown here."""
-    import inspect
-
-    from transformers import CONFIG_MAPPING
-
-    try:
-        cls = CONFIG_MAPPING[config.get("model_type")]
-    except KeyError:
-        return None  # a custom (trust_remote_code) or unknown type: transformers reports it when it reads the file
-    parameters = inspect.signature(cls.__init__).parameters
-    aliases = getattr(cls, "attribute_map", {}) or {}
-    for name in SHAPE_KEYS:
-        declared = next((n for n in (name, aliases.get(name)) if n in parameters), None)
-        if declared is None or parameters[declared].default in (None, inspect.Parameter.empty):
-            continue  # not this architecture's, or derived from the others when unset
-        names = {name, declared, aliases.get(name)} | {a for a, real in aliases.items() if real in (name, declared)}
-        if not names & config.keys():
-            return declared, parameters[declared].default
-    return None
-
-
-def _listing(folder: Path, limit: int = 8) -> str:
-    names = sorted(p.name for p in folder.iterdir())
-    if not names:
-        return "nothing"
-    return ", ".join(names[:limit]) + (f", ... ({len(names)} entries)" if len(names) > limit else "")
 
 
 # ``resume_from_checkpoint`` values that mean "start afresh" and "the last checkpoint in output_dir": YAML and the
@@ -613,8 +525,12 @@ def check_selection_matches_adapter(selection_file: str | os.PathLike, adapted_l
 # -------------------------------------------------------------------------------------------------------- data
 def check_text_file(path: str | os.PathLike, key: str | None = None) -> str:
     """The UTF-8 text of ``path``: every reading of a user's text file goes through here. A file that is not UTF-8
-    is refused naming the file, the first bad byte and its line (as ``key``'s value when given)."""
-    data = Path(path).read_bytes()
+    is refused naming the file, the first bad byte and its line (as ``key``'s value when given); so is a path the
+    operating system refuses (too long, no permission)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise (path_refusal(error, key) or error) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -711,36 +627,3 @@ def _has_content(value: Any) -> bool:
     if isinstance(value, list):  # conversational: a list of messages
         return any(_has_content(m.get("content") if isinstance(m, Mapping) else m) for m in value)
     return value is not None
-
-
-# ----------------------------------------------------------------------------------------------------- ablation
-def check_ablation_block(block: Mapping[str, Any], config: str, runs: tuple[str, ...]) -> None:
-    """Refuse an ``ablation:`` block with no runs, unknown runs, a bad output_dir or out-of-range eval numbers."""
-    if "runs" in block:
-        given = block["runs"]
-        if not isinstance(given, list) or not given:
-            refuse(
-                "ablation.runs",
-                given,
-                f"give a non-empty list of runs (some of {list(runs)})",
-                f"In {config}: `runs: [lora, fora]`, or remove `runs` for all of them.",
-            )
-        unknown = [r for r in given if r not in runs]
-        if unknown:
-            raise FoRAInputError(f"ablation runs {unknown} are unknown; use some of {list(runs)}.")
-        twice = sorted({r for r in given if given.count(r) > 1})
-        if twice:
-            refuse(
-                "ablation.runs",
-                given,
-                f"{twice[0]!r} is listed {given.count(twice[0])} times: each run trains once and is one table row",
-                f"List each run once, e.g. `runs: [{', '.join(dict.fromkeys(given))}]`.",
-            )
-    if "output_dir" in block:
-        check_output_folder(str(block["output_dir"]), "ablation.output_dir")
-    evaluation = block.get("eval")
-    if evaluation is not None and not isinstance(evaluation, Mapping):
-        refuse(
-            "ablation.eval", evaluation, "give a mapping of eval keys", "See example_configs/ablation_gemma270m.yaml."
-        )
-    check_numbers(evaluation or {}, ABLATION_EVAL_KEYS, prefix="ablation.eval.")

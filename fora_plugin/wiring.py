@@ -23,14 +23,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .adapter import expert_blocks, make_stiefel, stiefel_num_experts, stiefel_parameters
 from .config import FoRAConfig
 from .diagnostics import largest_drift, read_adapter_diagnostics
-from .errors import FoRAInputError
+from .errors import FoRAInputError, refuse
 from .fisher import FisherScores
 from .fsdp import gathered_adapters
 from .plots import plot_fisher_scores
 from .selection import check_layer_indices, resolve_layer_budget, select_layers
 from .stiefel import orthogonality_error
 from .targets import find_decoder_layers, is_linear_like, layer_index, matches_target
-from .validation import read_json
+from .validation import ADAPTER_CONFIG, read_json
 from .zero import Zero3FoRAOptimizer, find_zero_client, gathered_trainable_parameters
 
 
@@ -41,6 +41,7 @@ __all__ = [
     "FoRASelection",
     "SaveSelectionCallback",
     "active_lora_config",
+    "check_selection_free",
     "checkpoint_folder",
     "choose_layers",
     "format_selection_table",
@@ -375,6 +376,21 @@ def write_selection(selection: FoRASelection, output_dir: str | Path, *, table: 
     plot_fisher_scores(out / SCORES_PLOT, scores, selection.chosen, selection.num_layers)
     if table:
         print(format_selection_table(selection))
+
+
+def check_selection_free(output_dir: str | Path, key: str = "output_dir") -> None:
+    """Refuse writing a selection on its own (``fora score``) into a folder that holds a trained adapter: the
+    ``fora_scores.json`` there records the layers that adapter was trained on, and new scores with another choice
+    of layers would replace that record while the adapter stays on the old layers."""
+    out = Path(output_dir)
+    if (out / ADAPTER_CONFIG).is_file():
+        refuse(
+            key,
+            str(output_dir),
+            f"it holds a trained adapter ({ADAPTER_CONFIG}) whose {SCORES_FILE} records the layers it was trained "
+            f"on: the new scores and layer choice would replace that record while the adapter stays on the old layers",
+            f"Give another output_dir for the scores (e.g. --output_dir {out / 'rescored'}).",
+        )
 
 
 def format_selection_table(selection: FoRASelection) -> str:

@@ -18,9 +18,17 @@ import yaml
 from conftest import EXPERT_PARAMETERS, TARGETS, char_tokenizer, tiny_llama, tiny_moe
 
 from fora_plugin.cli import main
+from fora_plugin.recipe import parse_config
 
 
 ROWS = [{"instruction": f"Add {a} and {b}.", "input": "", "output": str(a + b)} for a in range(4) for b in range(4)]
+CHAT = [[{"role": "user", "content": f"{a} + {a}?"}, {"role": "assistant", "content": str(2 * a)}] for a in range(8)]
+# A chat template that raises on a role it does not know, as many instruct models' templates do.
+STRICT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}{{ m['role'] + ': ' + m['content'] + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,30 +86,41 @@ class Ctx:
         path.write_text(text)
         return str(path)
 
-    def checkpoint(self, chosen: list[int]) -> str:
-        """A checkpoint folder holding the FoRA selection a run on layers ``chosen`` saved."""
+    def checkpoint(self, chosen: list[int], rank: int | None = None) -> str:
+        """A checkpoint folder holding the FoRA selection a run on layers ``chosen`` saved; with ``rank``, the LoRA
+        adapter of that rank it saved too."""
         folder = self.tmp / "out" / "checkpoint-1"
         folder.mkdir(parents=True)
+        if rank is not None:
+            self.adapter(rank=rank, folder=folder)
         selection = {"mode": "fora", "source": "fisher", "num_layers": 2, "k": len(chosen), "chosen_layers": chosen}
         (folder / "fora_scores.json").write_text(json.dumps({**selection, "scores": None}))
         (folder / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
         return str(folder)
 
-    def adapter(self, poison: bool = False, config_r: int | None = None, selection: list[int] | None = None) -> str:
-        """A saved PEFT LoRA adapter of the tiny model (r = 2, both layers); ``poison`` puts a NaN into one lora_B,
-        ``config_r`` writes another r into its adapter_config.json, ``selection`` a fora_scores.json choosing those
-        layers."""
+    def adapter(
+        self,
+        poison: bool = False,
+        config_r: int | None = None,
+        selection: list[int] | None = None,
+        rank: int = 2,
+        folder: Path | None = None,
+    ) -> str:
+        """A saved PEFT LoRA adapter of the tiny model (r = ``rank``, both layers) in ``folder`` (default: adapter);
+        ``poison`` puts a NaN into one lora_B, ``config_r`` writes another r into its adapter_config.json,
+        ``selection`` a fora_scores.json choosing those layers."""
         import torch
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
         model = get_peft_model(
-            AutoModelForCausalLM.from_pretrained(self.shared / "model"), LoraConfig(r=2, target_modules=TARGETS)
+            AutoModelForCausalLM.from_pretrained(self.shared / "model"),
+            LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS),
         )
         if poison:
             with torch.no_grad():
                 next(p for n, p in model.named_parameters() if "lora_B" in n)[0, 0] = float("nan")
-        folder = self.tmp / "adapter"
+        folder = folder or self.tmp / "adapter"
         model.save_pretrained(folder)
         if config_r is not None:
             config = json.loads((folder / "adapter_config.json").read_text())
@@ -136,11 +155,46 @@ class Ctx:
             (folder / "config.json").write_text(text)
         return str(folder)
 
-    def moe_folder(self, weights: bool = False) -> str:
+    def model_variant(self, tokenizer: bool = True, chat_template: str | None = None, weights: str = "whole") -> str:
+        """A copy of the tiny model without its tokenizer files, with ``chat_template`` in its tokenizer, or with its
+        ``weights`` "sharded" (an index naming two shards, the second missing) or "truncated"."""
+        folder = Path(self.model_copy())
+        if not tokenizer:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                (folder / name).unlink()
+        if chat_template is not None:
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+            (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template}))
+        weights_file = folder / "model.safetensors"
+        if weights == "truncated":
+            weights_file.write_bytes(weights_file.read_bytes()[:-100])
+        if weights == "sharded":
+            from safetensors import safe_open
+
+            with safe_open(str(weights_file), "pt") as tensors:
+                names = list(tensors.keys())
+            shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+            weights_file.rename(folder / shards[0])
+            weight_map = {n: shards[i >= len(names) // 2] for i, n in enumerate(names)}
+            (folder / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {}, "weight_map": weight_map})
+            )
+        return str(folder)
+
+    def save_to_disk(self) -> str:
+        """The Alpaca rows saved as a `datasets` folder (Dataset.save_to_disk)."""
+        from datasets import Dataset
+
+        Dataset.from_list(ROWS).save_to_disk(str(self.tmp / "saved_rows"))
+        return str(self.tmp / "saved_rows")
+
+    def moe_folder(self, weights: bool = False, experts: int = 2) -> str:
         """A 2-layer, 2-expert Qwen3-MoE (experts fused: gate_up_proj, down_proj): its config.json (what `fora plan`
-        reads), with ``weights`` its weights and the tokenizer too."""
+        reads), with ``weights`` its weights and the tokenizer too; ``experts``: its config's num_experts (0: a
+        config whose every MLP is dense)."""
         folder = self.tmp / "moe"
         model = tiny_moe(num_layers=2, num_experts=2, vocab_size=99)
+        model.config.num_experts = experts
         if weights:
             model.save_pretrained(folder)
             char_tokenizer().save_pretrained(folder)
@@ -765,7 +819,435 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
         lambda c: ["train", c.config(fora_scores_path=c.file("s.json", '{"scores": [1, 2}'))],
         r"fora_scores_path .*s\.json is not valid JSON: .* at line 1",
     ),
+    # ---------------------------------------------------------------- issue 38: bad input, fourth round
+    # tracebacks: a library's error for what the user gave, whatever its type, is one line where the input is named
+    (
+        "model-folder-without-tokenizer",  # transformers 5 raises ValueError here, not OSError
+        lambda c: ["train", c.config(model_name_or_path=c.model_variant(tokenizer=False))],
+        r"model_name_or_path '.*copied_model' could not be loaded: transformers cannot load its tokenizer "
+        r"\(ValueError: Couldn't instantiate the backend tokenizer",
+    ),
+    (
+        "model-index-names-a-missing-shard",
+        lambda c: ["train", c.config(model_name_or_path=c.model_variant(weights="sharded"))],
+        r"model_name_or_path='.*copied_model' is invalid: its model\.safetensors\.index\.json names 2 weight files, "
+        r"and 1 of them are not in the folder \(model-00002-of-00002\.safetensors\): an interrupted download",
+    ),
+    (
+        "model-weights-truncated",
+        lambda c: ["score", c.config(model_name_or_path=c.model_variant(weights="truncated"))],
+        r"model_name_or_path='.*copied_model' is invalid: its weights file model\.safetensors cannot be read "
+        r"\(.*\): a truncated or damaged file",
+    ),
+    (
+        "eval-base-of-an-unknown-model-type",  # `fora train` refused it; `fora eval` loads through the same path now
+        lambda c: [
+            "eval",
+            "--base",
+            c.model_copy((c.shared / "model" / "config.json").read_text().replace('"llama"', '"llamalike"')),
+            "--wikitext",
+            c.file("w.txt", "ab"),
+        ],
+        r"--base='.*copied_model' is invalid: transformers cannot read its config\.json \(.*model type `llamalike`",
+    ),
+    (
+        "report-kl-base-of-an-unknown-model-type",
+        lambda c: [
+            "report",
+            c.adapter(),
+            "--base",
+            c.model_copy((c.shared / "model" / "config.json").read_text().replace('"llama"', '"llamalike"')),
+            "--kl-text",
+            c.file("held.txt", "abc"),
+        ],
+        r"--base='.*copied_model' is invalid: transformers cannot read its config\.json",
+    ),
+    (
+        "dataset-sharegpt-roles-against-the-chat-template",
+        lambda c: [
+            "train",
+            c.config(
+                model_name_or_path=c.model_variant(chat_template=STRICT_TEMPLATE),
+                dataset_name=c.file(
+                    "sharegpt.json",
+                    json.dumps(
+                        [
+                            {"messages": [{**m, "role": {"user": "human"}.get(m["role"], "gpt")} for m in t]}
+                            for t in CHAT
+                        ]
+                    ),
+                ),
+            ),
+        ],
+        r"dataset_name='.*sharegpt\.json' is invalid: row 0's conversation \(roles \['human', 'gpt'\]\) cannot be "
+        r"rendered by the chat template of model_name_or_path .* \(TemplateError: Unknown role: human\)\. ShareGPT's "
+        r"roles: rename human -> user and gpt -> assistant",
+    ),
+    (
+        "dataset-messages-without-a-chat-template",
+        lambda c: ["train", c.config(dataset_name=c.file("chat.json", json.dumps([{"messages": t} for t in CHAT])))],
+        r"dataset_name='.*chat\.json' is invalid: its rows are conversations \('messages'\), but the tokenizer of "
+        r"model_name_or_path .* has no chat template for them\. Set chat_template_path",
+    ),
+    (
+        "model-chat-template-does-not-compile",
+        lambda c: ["train", c.config(model_name_or_path=c.model_variant(chat_template="{% for m in messages %}x"))],
+        r"the chat template of model_name_or_path '.*copied_model' is not a valid Jinja template: Unexpected end of "
+        r"template.*\(line 1\)",
+    ),
+    (
+        "chat-template-path-does-not-compile",
+        lambda c: [
+            "train",
+            c.config(
+                dataset_name=c.file("chat.json", json.dumps([{"messages": t} for t in CHAT])),
+                chat_template_path=c.file("chat.jinja", "{% if messages %}{{ messages }}"),
+            ),
+        ],
+        r"chat_template_path .*chat\.jinja is not a valid Jinja template: .*\(line 1\)\. Fix the template there",
+    ),
+    (
+        "dataset-messages-as-strings",
+        lambda c: [
+            "train",
+            c.config(
+                dataset_name=c.file(
+                    "m.json", json.dumps([{"messages": f"user: {a}? assistant: {a}"} for a in range(4)])
+                )
+            ),
+        ],
+        r"dataset_name='.*m\.json' is invalid: its column 'messages' holds Value\('string'\) \(row 0: 'user: 0\? "
+        r"assistant: 0'\), not a list of \{\"role\": \.\.\., \"content\": \.\.\.\} messages per row",
+    ),
+    (
+        "dataset-output-numbers",
+        lambda c: ["train", c.config(dataset_name=c.file("n.json", json.dumps([{**r, "output": 7} for r in ROWS])))],
+        r"dataset_name='.*n\.json' is invalid: its column 'output' holds Value\('int64'\) .* not a string per row",
+    ),
+    (
+        "resume-at-another-rank",
+        lambda c: ["train", c.config(), "--resume_from_checkpoint", c.checkpoint([0, 1], rank=4)],
+        r"lora_r=2 is invalid: checkpoint .*checkpoint-1 was trained with lora_r 4 \(its adapter_config\.json\), and "
+        r"a resumed run keeps its adapter\. Set lora_r: 4 to resume it, or drop resume_from_checkpoint",
+    ),
+    (
+        "resume-with-other-targets",
+        lambda c: [
+            "train",
+            c.config(lora_target_modules=["q_proj", "v_proj"]),
+            "--resume_from_checkpoint",
+            c.checkpoint([0, 1], rank=2),
+        ],
+        r"lora_target_modules=\['q_proj', 'v_proj'\] is invalid: checkpoint .* was trained with lora_target_modules "
+        r"\['down_proj', 'k_proj', 'q_proj', 'up_proj', 'v_proj'\]",
+    ),
+    (
+        "eval-mt-bench-chat-template-unclosed",
+        lambda c: [
+            "eval",
+            "--base",
+            str(c.shared / "model"),
+            "--mt-bench",
+            "--mt-bench-chat-template",
+            c.file("tpl.jinja", "{% for m in messages %}{{ m['content'] }}"),
+        ],
+        r"--mt-bench-chat-template .*tpl\.jinja is not a valid Jinja template: Unexpected end of template\. .*'for'",
+    ),
+    (
+        "plan-moe-config-without-experts",
+        lambda c: ["plan", c.config(model_name_or_path=c.moe_folder(experts=0))],
+        r"lora_target_modules=\[.*\] is invalid: PEFT renames \['up_proj', 'down_proj'\] for every 'qwen3_moe' model "
+        r"to its fused MoE expert parameters .* \(no MoE experts: every MLP is dense.*target only \['q_proj', "
+        r"'k_proj', 'v_proj'\]",
+    ),
+    (
+        "lora-target-modules-empty",  # refused up front, not by PEFT once the model has loaded
+        lambda c: ["train", c.config(lora_target_modules=[])],
+        r"lora_target_modules=\[\] is invalid: name at least one module to adapt",
+    ),
+    # silent: an unknown key in any block, a string for a list, two settings of which one would be ignored
+    (
+        "ablate-unknown-block-key",
+        lambda c: ["ablate", ablation_config(c, {"runs": ["lora"], "evaluation": {"tasks": ["boolq"]}})],
+        r"ablation has unknown keys \['evaluation'\]: they are none of its keys \(runs, output_dir, eval\)\. For "
+        r"evaluation, did you mean eval\?",
+    ),
+    (
+        "ablate-runs-misspelt",
+        lambda c: ["ablate", ablation_config(c, {"run": ["lora"]})],
+        r"ablation has unknown keys \['run'\].*For run, did you mean runs\?",
+    ),
+    (
+        "ablate-unknown-eval-key",
+        lambda c: ["ablate", ablation_config(c, {"runs": ["lora"], "eval": {"task": ["boolq"], "kl_text": "x"}})],
+        r"ablation\.eval has unknown keys \['task'\].*For task, did you mean tasks\?",
+    ),
+    (
+        "ablate-mt-bench-key-misspelt",
+        lambda c: ["ablate", ablation_config(c, {"runs": ["lora"], "eval": {"mt_bench": {"judge_modle": "gpt-4"}}})],
+        r"ablation\.eval\.mt_bench has unknown keys \['judge_modle'\].*did you mean judge_model\?",
+    ),
+    (
+        "ablate-tasks-a-string",
+        lambda c: [
+            "ablate",
+            ablation_config(c, {"runs": ["lora"], "eval": {"commonsense_dir": str(c.tmp), "tasks": "boolq"}}),
+        ],
+        r"ablation\.eval\.tasks='boolq' is invalid: give a list\. Write it as a YAML list: `tasks: \[boolq\]`",
+    ),
+    (
+        "ablate-tasks-twice",
+        lambda c: [
+            "ablate",
+            ablation_config(
+                c, {"runs": ["lora"], "eval": {"commonsense_dir": str(c.tmp), "tasks": ["boolq", "boolq"]}}
+            ),
+        ],
+        r"ablation\.eval\.tasks=\['boolq', 'boolq'\] is invalid: 'boolq' is listed 2 times",
+    ),
+    (
+        "ablate-commonsense-dir-without-tasks",
+        lambda c: ["ablate", ablation_config(c, {"runs": ["lora"], "eval": {"commonsense_dir": str(c.tmp)}})],
+        r"ablation\.eval\.commonsense_dir='.*' is invalid: it applies only with ablation\.eval\.tasks",
+    ),
+    (
+        "ablate-kl-max-tokens-without-kl-text",
+        lambda c: ["ablate", ablation_config(c, {"runs": ["lora"], "eval": {"kl_max_tokens": 64}})],
+        r"ablation\.eval\.kl_max_tokens=64 is invalid: it applies only with ablation\.eval\.kl_text",
+    ),
+    (
+        "list-key-given-a-string",  # PEFT would read each letter of 'lm_head' as a module name
+        lambda c: ["train", c.config(lora_modules_to_save="lm_head")],
+        r"lora_modules_to_save='lm_head' is invalid: give a list\. Write it as a YAML list: "
+        r"`lora_modules_to_save: \[lm_head\]`",
+    ),
+    (
+        "layers-with-a-strategy",
+        lambda c: ["train", c.config(fora_layers=[0, 1], fora_layer_strategy="random")],
+        r"layer_strategy='random' is invalid: layers=\[0, 1\] is set too, and the 'random' strategy chooses the "
+        r"layers itself\. Drop layers or layer_strategy",
+    ),
+    (
+        "scores-path-with-a-strategy",
+        lambda c: [
+            "train",
+            c.config(
+                fora_scores_path=c.file("s.json", json.dumps({"scores": [1.0, 2.0]})), fora_layer_strategy="first"
+            ),
+        ],
+        r"layer_strategy='first' is invalid: scores_path='.*s\.json' is set too",
+    ),
+    (
+        "all-layers-mode-with-a-strategy",
+        lambda c: ["train", c.config(fora_mode="lora", fora_layer_strategy="last")],
+        r"layer_strategy='last' is invalid: mode='lora' adapts every layer, so it would be ignored",
+    ),
+    (
+        "deepspeed-with-fsdp",
+        lambda c: ["train", c.config(), "--deepspeed", ds_config(c, 2), "--fsdp", "full_shard"],
+        r"fsdp=.* and deepspeed='.*zero2\.json' are both set, and a run shards its model with one engine",
+    ),
+    (
+        "plan-deepspeed-with-fsdp",
+        lambda c: ["plan", c.config(), "--deepspeed", ds_config(c, 2), "--fsdp", "full_shard"],
+        r"fsdp='full_shard' and deepspeed='.*zero2\.json' are both set",
+    ),
+    (
+        "eval-mt-bench-pairwise-without-compare",
+        lambda c: c.eval("--mt-bench", "--mt-bench-pairwise"),
+        r"--mt-bench-pairwise=True is invalid: it judges --model-id head to head against each --mt-bench-compare "
+        r"model, and none is given",
+    ),
+    (
+        "eval-mt-bench-compare-with-itself",
+        lambda c: c.eval("--mt-bench", "--judge-model", "j", "--mt-bench-compare", "fora"),
+        r"--mt-bench-compare=\['fora'\] is invalid: 'fora' is named twice \(or is --model-id itself\)",
+    ),
+    (
+        "eval-mt-bench-option-without-mt-bench",
+        lambda c: c.eval("--mt-bench-first-n", "2"),
+        r"--mt-bench-first-n applies to MT-Bench answers, and --mt-bench is not given",
+    ),
+    (
+        "eval-judging-option-without-a-judge",
+        lambda c: c.eval("--mt-bench", "--judge-timeout", "5"),
+        r"--judge-timeout is set but no judge is \(--judge-model is not\)",
+    ),
+    (
+        "eval-perplexity-option-without-wikitext",
+        lambda c: c.eval("--ppl-stride", "16"),
+        r"--ppl-stride=16 is invalid: it applies with --wikitext only, which is not given",
+    ),
+    (
+        "eval-task-without-an-answer-format",  # refused after every answer was generated, before
+        lambda c: [
+            "eval",
+            "--base",
+            str(c.shared / "model"),
+            "--commonsense-dir",
+            str(Path(c.file("cs/boolqa/test.json", json.dumps([{"instruction": "x", "answer": "true"}]))).parents[1]),
+            "--tasks",
+            "boolqa",
+        ],
+        r"task='boolqa' is invalid: there is no answer format for it",
+    ),
+    (
+        "eval-task-examples-without-answers",  # a KeyError after the model loaded, before
+        lambda c: [
+            "eval",
+            "--base",
+            str(c.shared / "model"),
+            "--commonsense-dir",
+            str(Path(c.file("cs/boolq/test.json", json.dumps([{"instruction": "x", "label": "true"}]))).parents[1]),
+            "--tasks",
+            "boolq",
+        ],
+        r"boolq/test\.json: example 0 has no string 'answer' \(it holds \['instruction', 'label'\]\)",
+    ),
+    (
+        "eval-tasks-twice",
+        lambda c: c.eval("--tasks", "boolq,boolq"),
+        r"--tasks='boolq,boolq' is invalid: 'boolq' is named twice",
+    ),
+    (
+        "report-base-without-kl-text",
+        lambda c: ["report", c.adapter(), "--base", str(c.shared / "model")],
+        r"--base='.*model' is invalid: it is used for the KL on --kl-text only",
+    ),
+    # lost: nothing a command writes replaces another run's files, and two inputs never share one output name
+    (
+        "score-into-a-finished-run",  # its fora_scores.json and .png are the record of the adapter beside them
+        lambda c: ["score", c.config()],
+        r"output_dir='.*out' is invalid: it holds a trained adapter \(adapter_config\.json\) whose fora_scores\.json "
+        r"records the layers it was trained on.*--output_dir .*out/rescored",
+    ),
+    (
+        "eval-output-holds-another-commands-results",
+        lambda c: c.eval("--output", str(c.tmp / "out")),
+        r"--output='.*out' is invalid: it holds a results\.json that `fora eval` did not write",
+    ),
+    (
+        "report-the-same-adapter-twice",
+        lambda c: ["report", c.adapter(), "--vs", str(c.tmp / "adapter")],
+        r"--vs='.*adapter' is invalid: this adapter folder is given twice",
+    ),
+    # a path the operating system refuses
+    (
+        "output-dir-name-too-long",
+        lambda c: ["train", c.config(output_dir=str(c.tmp / ("o" * 300)))],
+        r"output_dir='.*ooo' is invalid: the operating system refuses it \(File name too long\)\. Use a shorter path",
+    ),
+    (
+        "config-path-too-long",
+        lambda c: ["train", str(c.tmp / ("c" * 300 + ".yaml"))],
+        r"config='.*ccc\.yaml' is invalid: the operating system refuses it \(File name too long\)",
+    ),
+    (
+        "dataset-name-too-long",
+        lambda c: ["score", c.config(dataset_name=str(c.tmp / ("d" * 300 + ".json")))],
+        r"dataset_name='.*ddd\.json' is invalid: the operating system refuses it \(File name too long\)",
+    ),
+    (
+        "model-path-too-long",
+        lambda c: ["train", c.config(model_name_or_path=str(c.tmp / ("m" * 300)))],
+        r"model_name_or_path='.*mmm' is invalid: the operating system refuses it \(File name too long\)",
+    ),
+    (
+        "eval-output-too-long",
+        lambda c: c.eval("--output", str(c.tmp / ("e" * 300))),
+        r"--output='.*eee' is invalid: the operating system refuses it",
+    ),
 ]
+
+
+def checkpoint_of(ctx: Ctx, run: str) -> str:
+    """A checkpoint-1 folder as `fora train` saves one in output_dir ``run``: the adapter (both layers), the FoRA
+    selection and the trainer's state."""
+    folder = ctx.tmp / run / "checkpoint-1"
+    ctx.adapter(folder=folder)
+    selection = {"mode": "fora", "source": "fisher", "num_layers": 2, "k": 2, "chosen_layers": [0, 1], "scores": None}
+    (folder / "fora_scores.json").write_text(json.dumps(selection))
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
+    return str(folder)
+
+
+def learning_rate_as_yaml_writes_it(ctx: Ctx) -> str:
+    """A config whose `learning_rate: 2e-4` PyYAML reads as a string (YAML 1.1 floats need a dot)."""
+    path = ctx.file("lr.yaml", Path(ctx.config(output_dir=str(ctx.tmp / "run"))).read_text() + "learning_rate: 2e-4\n")
+    assert yaml.safe_load(Path(path).read_text())["learning_rate"] == "2e-4"
+    return path
+
+
+def scored(folder: Path) -> bool:
+    return json.loads((folder / "fora_scores.json").read_text())["source"] == "fisher"
+
+
+# Valid inputs a user may find unusual: (id, command line from a Ctx, what the run left, checked). Each runs (exit
+# code 0) and leaves the earlier run in out/ byte-identical.
+VALID: list[tuple[str, Callable[[Ctx], list[str]], Callable[[Ctx], bool]]] = [
+    (
+        "unicode-output-path",
+        lambda c: ["score", c.config(output_dir=str(c.tmp / "résultats ü" / "运行"))],
+        lambda c: scored(c.tmp / "résultats ü" / "运行"),
+    ),
+    (
+        "extra-dataset-columns",
+        lambda c: [
+            "score",
+            c.config(
+                dataset_name=c.file(
+                    "extra.json", json.dumps([{**r, "id": i, "tags": ["sum"]} for i, r in enumerate(ROWS)])
+                ),
+                output_dir=str(c.tmp / "scored"),
+            ),
+        ],
+        lambda c: scored(c.tmp / "scored"),
+    ),
+    (
+        "learning-rate-as-yaml-writes-it",
+        lambda c: ["train", learning_rate_as_yaml_writes_it(c)],
+        lambda c: (
+            (c.tmp / "run" / "adapter_model.safetensors").is_file()
+            and parse_config(str(c.tmp / "lr.yaml"), [])[1].learning_rate == 2e-4
+        ),
+    ),
+    (
+        "adapter-given-as-a-checkpoint-folder",
+        lambda c: ["report", checkpoint_of(c, "run")],
+        lambda c: list(json.loads((c.tmp / "run" / "checkpoint-1" / "report.json").read_text())) == ["checkpoint-1"],
+    ),
+    (
+        "eval-adapter-given-as-a-checkpoint-folder",
+        lambda c: [*c.perplexity("--adapter", checkpoint_of(c, "run")), "--output", str(c.tmp / "ev")],
+        lambda c: json.loads((c.tmp / "ev" / "results.json").read_text())["perplexity"]["perplexity"] > 1,
+    ),
+    (
+        "report-two-checkpoints-of-one-name",  # two labels, not one checkpoint-1 replacing the other
+        lambda c: ["report", checkpoint_of(c, "a"), "--vs", checkpoint_of(c, "b"), "--output", str(c.tmp / "rep")],
+        lambda c: (
+            sorted(json.loads((c.tmp / "rep" / "report.json").read_text())) == ["a/checkpoint-1", "b/checkpoint-1"]
+        ),
+    ),
+    (
+        "dataset-save-to-disk-folder",  # issue 38, case 14: loaded with datasets.load_from_disk
+        lambda c: ["score", c.config(dataset_name=c.save_to_disk(), output_dir=str(c.tmp / "scored"))],
+        lambda c: scored(c.tmp / "scored"),
+    ),
+]
+
+
+@pytest.mark.parametrize("build, check", [c[1:] for c in VALID], ids=[c[0] for c in VALID])
+def test_valid_unusual_input_runs_and_leaves_the_earlier_run_as_it_was(
+    shared, tmp_path, capsys, monkeypatch, offline, build, check
+):
+    monkeypatch.chdir(tmp_path)
+    earlier_run(tmp_path / "out")
+    ctx = Ctx(shared, tmp_path)
+    argv = build(ctx)
+    before = snapshot(tmp_path / "out")
+    assert main(argv) == 0, capsys.readouterr().err
+    assert snapshot(tmp_path / "out") == before
+    assert check(ctx)
 
 
 @pytest.fixture
@@ -796,6 +1278,35 @@ def test_bad_input_gives_exit_2_and_a_message(shared, tmp_path, capsys, monkeypa
     assert re.search(message, line), err
     # A refused run changes nothing that was there: the earlier run's files (and every other file) are unchanged.
     assert snapshot(tmp_path) == before
+
+
+# What the README promises for these: refused before the model loads (each was refused after it, or not at all).
+BEFORE_THE_MODEL = (
+    "dataset-sharegpt-roles-against-the-chat-template",
+    "dataset-messages-as-strings",
+    "resume-at-another-rank",
+    "eval-mt-bench-chat-template-unclosed",
+    "lora-target-modules-empty",
+    "eval-task-without-an-answer-format",
+    "eval-task-examples-without-answers",
+)
+
+
+@pytest.mark.parametrize("row", BEFORE_THE_MODEL)
+def test_these_are_refused_before_any_model_loads(shared, tmp_path, capsys, monkeypatch, offline, row):
+    from transformers import PreTrainedModel
+
+    monkeypatch.chdir(tmp_path)
+    earlier_run(tmp_path / "out")
+    _, build, message = next(c for c in CASES if c[0] == row)
+    argv = build(Ctx(shared, tmp_path))  # the row's files first: some are made with the model
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", loaded)
+    assert main(argv) == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_a_run_that_fails_after_scoring_leaves_the_output_folder_as_it_was(shared, tmp_path, monkeypatch, offline):

@@ -60,6 +60,17 @@ def test_modes_are_the_2x2_ablation(mode, selects, stiefel):
         ({"layers": [-2]}, r"layers=\[-2\] is invalid"),
         ({"layers": [1], "mode": "lora"}, r"layers=\[1\] contradicts mode='lora'"),
         ({"layers": [1], "scores_path": "x.json"}, r"layers and scores_path are both set"),
+        # pairs of which one would be ignored
+        (
+            {"layers": [0, 1], "layer_strategy": "random"},
+            r"layer_strategy='random' is invalid: layers=\[0, 1\] is set",
+        ),
+        (
+            {"scores_path": "x.json", "layer_strategy": "last"},
+            r"layer_strategy='last' is invalid: scores_path='x\.json'",
+        ),
+        ({"mode": "lora", "layer_strategy": "first"}, r"layer_strategy='first' is invalid: mode='lora' adapts every"),
+        ({"mode": "stiefel-lora", "scores_path": "x.json"}, r"scores_path='x\.json' is invalid: mode='stiefel-lora'"),
     ],
 )
 def test_bad_values_are_refused_by_name(kwargs, message):
@@ -162,3 +173,17 @@ def test_parse_config_checks_the_numbers(tmp_path, yaml_text, overrides, message
 
     with pytest.raises(ValueError, match=message):
         parse_config(_yaml(tmp_path, f"output_dir: {tmp_path}\nbf16: false\n{yaml_text}"), overrides)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"layers": [0, 1]},
+        {"scores_path": "x.json"},
+        {"layer_strategy": "random"},
+        {"mode": "fg-lora", "layer_strategy": "last"},
+        {"mode": "lora"},
+    ],
+)
+def test_each_way_of_choosing_the_layers_alone_is_accepted(kwargs):
+    assert FoRAConfig(**kwargs).mode == kwargs.get("mode", "fora")

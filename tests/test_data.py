@@ -1,4 +1,5 @@
-"""load_train_dataset on local JSON/JSONL files and the bundled Alpaca sample; the Alpaca templates verbatim."""
+"""load_train_dataset on local JSON/JSONL files, save_to_disk folders and the bundled Alpaca sample; the Alpaca
+templates verbatim; the columns' types and the conversations' chat template checked before the model loads."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
-from datasets import Dataset
+from conftest import char_tokenizer
+from datasets import Dataset, DatasetDict
 
-from fora_plugin.data import alpaca_to_prompt_completion, load_train_dataset
+from fora_plugin.data import alpaca_to_prompt_completion, check_chat_rows, load_train_dataset
 
 
 EXAMPLE_CONFIGS = Path(__file__).resolve().parents[1] / "example_configs"
@@ -254,3 +256,81 @@ def test_rows_whose_prompt_fills_max_length_are_refused_all_or_warned_some():
     with pytest.raises(ValueError, match=r"max_length=2 is invalid: every one of the 2 rows .*\(prompts are 2 to 6 "):
         check_rows_fit(rows, char_tokenizer(), SimpleNamespace(**{**vars(args), "max_length": 2}), "d.json")
     check_rows_fit(rows, char_tokenizer(), SimpleNamespace(**{**vars(args), "packing": True}), "d.json")  # TRL's
+
+
+def test_a_save_to_disk_folder_is_loaded_as_datasets_saved_it(tmp_path):
+    Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "one"))
+    assert load_train_dataset(str(tmp_path / "one")).to_list() == [alpaca_to_prompt_completion(r) for r in ROWS]
+    with pytest.raises(ValueError, match=r"split='test' is not in the `save_to_disk` folder"):
+        load_train_dataset(str(tmp_path / "one"), split="test")
+    DatasetDict({"train": Dataset.from_list(ROWS), "dev": Dataset.from_list(ROWS[:1])}).save_to_disk(
+        str(tmp_path / "two")
+    )
+    assert len(load_train_dataset(str(tmp_path / "two"), split="dev")) == 1
+    with pytest.raises(
+        ValueError, match=r"split='test' is invalid: the `save_to_disk` folder .* holds the splits \['dev', 'train'\]"
+    ):
+        load_train_dataset(str(tmp_path / "two"), split="test")
+    with pytest.raises(
+        ValueError, match=r"dataset_config='x' is invalid: .* a `save_to_disk` folder, which has no configs"
+    ):
+        load_train_dataset(str(tmp_path / "two"), config_name="x")
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (
+            [{"messages": "user: hi"}],
+            r"its column 'messages' holds Value\('string'\) \(row 0: 'user: hi'\), not a list",
+        ),
+        (
+            [{"messages": [{"from": "human", "value": "hi"}]}],
+            r"its column 'messages' holds List\(.*\), not a list of .*ShareGPT's from/value keys: rename them",
+        ),
+        (
+            [{"instruction": "a", "output": 3}],
+            r"its column 'output' holds Value\('int64'\) \(row 0: 3\), not a string",
+        ),
+        (
+            [{"prompt": 1, "completion": "b"}],
+            r"its column 'prompt' holds Value\('int64'\) .*, not a string per row, or",
+        ),
+        ([{"text": ["a", "b"]}], r"its column 'text' holds List\(Value\('string'\)\)"),
+    ],
+)
+def test_a_column_of_the_wrong_type_is_refused_naming_it_and_a_row(tmp_path, rows, message):
+    with pytest.raises(ValueError, match=r"dataset_name='.*rows\.json' is invalid: " + message):
+        load_train_dataset(str(write_json(tmp_path / "rows.json", rows)))
+
+
+def test_columns_of_the_right_types_and_others_are_accepted(tmp_path):
+    rows = [{**r, "id": i, "input": None, "meta": {"source": "x"}} for i, r in enumerate(ROWS)]
+    assert len(load_train_dataset(str(write_json(tmp_path / "rows.json", rows)))) == 2
+    chat = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    assert load_train_dataset(str(write_json(tmp_path / "chat.json", chat))).column_names == ["messages"]
+
+
+def test_conversations_are_rendered_by_the_chat_template_before_the_model_loads():
+    tokenizer = char_tokenizer()
+    roles = "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+    tokenizer.chat_template = (
+        roles + "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    chat = [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]] * 3
+    check_chat_rows(Dataset.from_list([{"messages": m} for m in chat]), tokenizer, "d.json", "m")
+    prompts = Dataset.from_list([{"prompt": m[:1], "completion": m[1:]} for m in chat])
+    check_chat_rows(prompts, tokenizer, "d.json", "m")  # conversational prompt/completion
+    odd = [*chat, [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]]
+    with pytest.raises(
+        ValueError,
+        match=r"row 3's conversation \(roles \['system', 'user'\]\) cannot be rendered .* \(TemplateError: "
+        r"Unknown role: system\)\. Use roles",
+    ):
+        check_chat_rows(Dataset.from_list([{"messages": m} for m in odd]), tokenizer, "d.json", "m")
+    tokenizer.chat_template = None
+    with pytest.raises(
+        ValueError, match=r"its rows are conversations \('messages'\), but the tokenizer of m has no chat template"
+    ):
+        check_chat_rows(Dataset.from_list([{"messages": m} for m in chat]), tokenizer, "d.json", "m")
+    check_chat_rows(Dataset.from_list([{"text": "plain"}]), tokenizer, "d.json", "m")  # no conversation: nothing to do

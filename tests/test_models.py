@@ -1,4 +1,5 @@
-"""resolve_model_path: pass-through, GGUF cache keys and atomic writes, and the bundled Gemma-3-270M end to end."""
+"""Model folders and loading: resolve_model_path (pass-through, GGUF cache keys and atomic writes, the bundled
+Gemma-3-270M end to end), the folder's config.json, weights and tokenizer checked, and the one loading path."""
 
 from __future__ import annotations
 
@@ -11,9 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TARGETS, char_tokenizer, tiny_llama
 
 from fora_plugin import models
-from fora_plugin.models import BUNDLED_GEMMA, default_cache_dir, resolve_model_path
+from fora_plugin.models import (
+    BUNDLED_GEMMA,
+    check_model_config,
+    check_model_folder,
+    default_cache_dir,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    resolve_model_path,
+)
 
 
 def fake_convert(calls: list[Path]):
@@ -138,3 +149,119 @@ def test_a_file_is_not_a_model_folder(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"weights\.bin is not a folder"):
         resolve_model_path(str(tmp_path / "weights.bin"), cache_dir=tmp_path / "cache")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model")
+    tiny_llama(2).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def copy_of(model_dir: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    shutil.copytree(model_dir, tmp_path / "copy")
+    return tmp_path / "copy"
+
+
+def test_model_folder_needs_config_and_weights(model_dir, tmp_path):
+    check_model_folder(str(model_dir))
+    check_model_folder("org/hub-model")  # a hub name: transformers resolves it
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"config\.json but no weights .*it holds config\.json\)"):
+        check_model_folder(str(tmp_path))
+
+
+def test_model_config_needs_the_shape_keys_of_its_architecture(tmp_path):
+    from transformers import GPT2Config, Qwen3MoeConfig
+
+    def written(config: dict) -> str:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        return str(tmp_path / "config.json")
+
+    gpt2 = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96).to_dict()
+    assert check_model_config(written(gpt2))["n_embd"] == 32
+    with pytest.raises(ValueError, match=r"it has no 'n_embd', which a 'gpt2' model needs: .*default \(768\)"):
+        check_model_config(written({k: v for k, v in gpt2.items() if k != "n_embd"}))
+    moe = Qwen3MoeConfig(num_experts=2).to_dict()  # saved under its attribute's name, num_local_experts
+    check_model_config(written(moe))
+    with pytest.raises(ValueError, match=r"it has no 'num_experts', which a 'qwen3_moe' model needs"):
+        check_model_config(written({k: v for k, v in moe.items() if k != "num_local_experts"}))
+    text = {k: v for k, v in tiny_llama(2).config.to_dict().items() if k != "hidden_size"}
+    with pytest.raises(ValueError, match=r"it has no 'text_config\.hidden_size', which a 'llama' model"):
+        check_model_config(written({"model_type": "custom", "text_config": text}))
+    check_model_config(written({"model_type": "not-in-transformers"}))  # transformers words its own refusal
+
+
+def test_sharded_weights_need_every_shard_their_index_names(model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = copy_of(model_dir, tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, folder / shard, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    check_model_folder(str(folder))  # every shard there: accepted, as transformers loads it
+    (folder / "b.safetensors").unlink()  # an interrupted download
+    with pytest.raises(
+        ValueError, match=r"names 2 weight files, and 1 of them are not in the folder \(b\.safetensors\)"
+    ):
+        check_model_folder(str(folder))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json.* it has no `weight_map`"):
+        check_model_folder(str(folder))
+
+
+def test_a_truncated_weights_file_is_refused_by_its_header(model_dir, tmp_path):
+    folder = copy_of(model_dir, tmp_path)
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:-8])
+    with pytest.raises(ValueError, match=r"its weights file model\.safetensors cannot be read \(.*\): a truncated"):
+        check_model_folder(str(folder), "--base")
+
+
+def test_a_config_transformers_cannot_read_is_refused_as_the_key(model_dir, tmp_path):
+    from transformers import T5Config
+
+    assert load_model_config(str(model_dir)).model_type == "llama"
+    folder = copy_of(model_dir, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "llamalike"}))
+    with pytest.raises(ValueError, match=r"--base='.*copy' is invalid: transformers cannot read its config\.json"):
+        load_model_config(str(folder), "--base")
+    T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2).save_pretrained(tmp_path / "t5")
+    with pytest.raises(ValueError, match=r"it describes a 't5' model .* which is not a causal LM"):
+        load_model_config(str(tmp_path / "t5" / "config.json"))
+
+
+def test_a_tokenizer_is_refused_whatever_transformers_raises_and_its_template_compiled(model_dir, tmp_path):
+    assert load_tokenizer(str(model_dir)).chat_template is None
+    folder = copy_of(model_dir, tmp_path)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{% if x %}{{ x }}"}))
+    with pytest.raises(ValueError, match=r"the chat template of model_name_or_path '.*copy' is not a valid Jinja"):
+        load_tokenizer(str(folder))
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer_config.json").unlink()
+    # transformers 5 raises ValueError ("Couldn't instantiate the backend tokenizer") for a folder without them.
+    with pytest.raises(
+        ValueError, match=r"--base '.*copy' could not be loaded: transformers cannot load its tokenizer"
+    ):
+        load_tokenizer(str(folder), "--base")
+
+
+def test_an_adapter_of_another_model_is_refused_as_the_adapter(model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    other = get_peft_model(tiny_llama(2, hidden_size=48), LoraConfig(r=2, target_modules=TARGETS))
+    other.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"--adapter='.*adapter' is invalid: PEFT cannot put it on --base"):
+        load_model(str(model_dir), str(tmp_path / "adapter"))
+    model, tokenizer = load_model(str(model_dir))
+    assert model.config.model_type == "llama" and tokenizer("ab")["input_ids"]

@@ -543,7 +543,7 @@ def test_a_truncated_last_judgment_is_dropped_and_asked_again(tmp_path):
 
 
 def test_config_refuses_unknown_ablation_keys():
-    with pytest.raises(ValueError, match=r"ablation\.eval\.mt_bench has unknown keys \['judge'\]; accepted: \["):
+    with pytest.raises(ValueError, match=r"ablation\.eval\.mt_bench has unknown keys \['judge'\]: they are none of"):
         MTBenchConfig.from_dict({"judge": "gpt-4"}, "ablation.eval.mt_bench")
     with pytest.raises(ValueError, match=r"judge_parallel=0 must be a positive integer"):
         MTBenchConfig(judge_model="gpt-4", judge_parallel=0)
@@ -655,3 +655,13 @@ def test_without_a_judge_the_answers_are_written_for_fastchat(files, tmp_path, c
     ]
     code, _, stderr = run_cli(longer, capsys)
     assert code == 2 and "made with other settings (max_new_tokens: [6] then, [7] now)" in stderr, stderr
+
+
+def test_an_mt_bench_block_refuses_a_misspelt_key_and_judging_without_a_judge():
+    with pytest.raises(
+        ValueError, match=r"unknown keys \['judge_modle'\]: .*For judge_modle, did you mean judge_model\?"
+    ):
+        MTBenchConfig.from_dict({"judge_modle": "gpt-4"}, "ablation.eval.mt_bench")
+    with pytest.raises(ValueError, match=r"ablation\.eval\.mt_bench\.judge_timeout is set but no judge is"):
+        MTBenchConfig.from_dict({"judge_timeout": 5}, "ablation.eval.mt_bench")
+    assert MTBenchConfig.from_dict({"judge_model": "j", "judge_timeout": 5}, "b").judge_timeout == 5

@@ -68,3 +68,15 @@ def test_decoder_layers_and_linears_of_a_model(llama):
 def test_a_model_without_decoder_layers_is_refused_by_name():
     with pytest.raises(FoRAInputError, match=r"Cannot find the decoder layers of Sequential"):
         find_decoder_layers(nn.Sequential(nn.Linear(2, 2), torch.nn.ReLU()))
+
+
+def test_targets_peft_renames_to_experts_a_model_without_them_does_not_have_are_refused():
+    from conftest import tiny_moe
+
+    from fora_plugin.targets import check_target_modules
+
+    config = tiny_moe(2, num_experts=2).config
+    config.num_experts = 0  # every MLP dense: gate_proj, up_proj and down_proj are modules, not fused experts
+    check_target_modules(config, ["q_proj", "v_proj"], key="lora_target_modules")
+    with pytest.raises(FoRAInputError, match=r"PEFT renames \['gate_proj', 'up_proj'\] for every 'qwen3_moe' model"):
+        check_target_modules(config, ["q_proj", "gate_proj", "up_proj"], key="lora_target_modules")

@@ -14,14 +14,14 @@ from fora_plugin.targets import check_target_modules, check_target_parameters, t
 from fora_plugin.validation import (
     NUMBER_RULES,
     check_adapter_folder,
+    check_block,
     check_checkpoint,
     check_completions,
-    check_model_config,
-    check_model_folder,
     check_number,
     check_output_folder,
     check_selection_matches_adapter,
     json_error_position,
+    suggestion,
 )
 
 
@@ -102,14 +102,6 @@ def test_target_modules_are_checked_against_the_model_on_the_meta_device(model_d
         check_target_modules(str(model_dir), ["q_proj,v_proj"], key="lora_target_modules")
     with pytest.raises(ValueError, match=r"`lora_target_modules: \[q_proj, v_proj, k_proj\]`"):
         check_target_modules(str(model_dir), ["q_proj v_proj", "k_proj"], key="lora_target_modules")
-
-
-def test_model_folder_needs_config_and_weights(model_dir, tmp_path):
-    check_model_folder(str(model_dir))
-    check_model_folder("org/hub-model")  # a hub name: transformers resolves it
-    (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"config\.json but no weights .*it holds config\.json\)"):
-        check_model_folder(str(tmp_path))
 
 
 def test_output_folder_is_tried_not_guessed(tmp_path):
@@ -212,27 +204,6 @@ def test_fused_moe_targets_are_accepted_whole_and_refused_in_part():
         check_target_modules(config, ["gate_proj"], key="lora_target_modules")
 
 
-def test_model_config_needs_the_shape_keys_of_its_architecture(tmp_path):
-    from transformers import GPT2Config, Qwen3MoeConfig
-
-    def written(config: dict) -> str:
-        (tmp_path / "config.json").write_text(json.dumps(config))
-        return str(tmp_path / "config.json")
-
-    gpt2 = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96).to_dict()
-    assert check_model_config(written(gpt2))["n_embd"] == 32
-    with pytest.raises(ValueError, match=r"it has no 'n_embd', which a 'gpt2' model needs: .*default \(768\)"):
-        check_model_config(written({k: v for k, v in gpt2.items() if k != "n_embd"}))
-    moe = Qwen3MoeConfig(num_experts=2).to_dict()  # saved under its attribute's name, num_local_experts
-    check_model_config(written(moe))
-    with pytest.raises(ValueError, match=r"it has no 'num_experts', which a 'qwen3_moe' model needs"):
-        check_model_config(written({k: v for k, v in moe.items() if k != "num_local_experts"}))
-    text = {k: v for k, v in tiny_llama(2).config.to_dict().items() if k != "hidden_size"}
-    with pytest.raises(ValueError, match=r"it has no 'text_config\.hidden_size', which a 'llama' model"):
-        check_model_config(written({"model_type": "custom", "text_config": text}))
-    check_model_config(written({"model_type": "not-in-transformers"}))  # transformers words its own refusal
-
-
 def test_json_errors_say_where_once():
     with pytest.raises(json.JSONDecodeError) as info:
         json.loads('{"a": "b')
@@ -240,3 +211,23 @@ def test_json_errors_say_where_once():
     with pytest.raises(json.JSONDecodeError) as info:
         json.loads('{"a": 1,\n "b" 2}')
     assert json_error_position(info.value, first_line=5) == "Expecting ':' delimiter at line 6, column 6"
+
+
+def test_a_block_refuses_unknown_keys_with_the_closest_and_strings_for_lists():
+    keys = ["runs", "output_dir", "eval"]
+    assert check_block({"runs": ["a"], "eval": {}}, keys, "ablation", lists=["runs"]) == {"runs": ["a"], "eval": {}}
+    with pytest.raises(ValueError, match=r"^ablation has unknown keys \['evaluation'\]: .*did you mean eval\?$"):
+        check_block({"evaluation": {}}, keys, "ablation")
+    with pytest.raises(
+        ValueError, match=r"ablation\.runs='lora, fora' is invalid: give a list\. .*`runs: \[lora, fora\]`"
+    ):
+        check_block({"runs": "lora, fora"}, keys, "ablation", lists=["runs"])
+    with pytest.raises(ValueError, match=r"ablation=\['runs'\] is invalid: give a mapping of its keys"):
+        check_block(["runs"], keys, "ablation")
+
+
+def test_the_closest_key_is_a_near_spelling_or_the_one_key_a_name_begins_with():
+    assert suggestion("lerning_rate", ["learning_rate", "lr_scheduler_type"]) == " Did you mean learning_rate?"
+    assert suggestion("evaluation", ["eval", "runs"]) == " Did you mean eval?"
+    assert suggestion("judge", ["judge_model", "judge_timeout"]) == ""  # two keys begin with it: no guess
+    assert suggestion("xyz", ["eval", "runs"]) == ""

@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import FoRAInputError
-from ..validation import is_integer, is_real
+from ..errors import FoRAInputError, refuse
+from ..validation import check_block, is_integer, is_real
 
 
 __all__ = [
@@ -24,7 +24,9 @@ __all__ = [
     "DEFAULT_KEY_ENV",
     "FLAGS",
     "MTBenchConfig",
+    "JUDGING_FIELDS",
     "add_arguments",
+    "check_args",
     "config_from_args",
     "flag",
 ]
@@ -40,6 +42,17 @@ ALPACA_CHAT_TEMPLATE = (
 )
 CHAT_TEMPLATES = {"alpaca": ALPACA_CHAT_TEMPLATE}
 DEFAULT_KEY_ENV = "OPENAI_API_KEY"
+# The fields that say how answers are judged: without judge_model (answers only) they would be ignored.
+JUDGING_FIELDS = (
+    "judge_base_url",
+    "judge_api_key_env",
+    "reference",
+    "judge_max_tokens",
+    "judge_retries",
+    "judge_retry_wait",
+    "judge_timeout",
+    "judge_parallel",
+)
 
 
 @dataclasses.dataclass
@@ -124,13 +137,10 @@ class MTBenchConfig:
 
     @classmethod
     def from_dict(cls, block: dict[str, Any], where: str) -> MTBenchConfig:
-        """From a config block (``fora ablate``'s ``eval.mt_bench``), refusing keys that are not fields."""
-        if not isinstance(block, dict):
-            raise FoRAInputError(f"{where} must be a mapping of MTBenchConfig keys, not {block!r}.")
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(block) - set(names))
-        if unknown:
-            raise FoRAInputError(f"{where} has unknown keys {unknown}; accepted: {names}.")
+        """From a config block (``fora ablate``'s ``eval.mt_bench``), refusing keys that are not fields (with the
+        closest field)."""
+        check_block(block, [f.name for f in dataclasses.fields(cls)], where)
+        _check_judging([k for k in block if block[k] is not None], block.get("judge_model"), lambda n: f"{where}.{n}")
         return cls(**block)
 
     @property
@@ -185,6 +195,57 @@ def add_arguments(parser) -> None:
         action="store_true",
         help="also judge --model-id against each --mt-bench-compare model head to head (pair-v2, both orders)",
     )
+
+
+def _check_judging(given: list[str], judge_model: str | None, name) -> None:
+    """Refuse judging settings (``given`` names the fields set; ``name``: how a field is shown) without a judge."""
+    if judge_model is not None:
+        return
+    unused = [f for f in JUDGING_FIELDS if f in given]
+    if unused:
+        raise FoRAInputError(
+            f"{name(unused[0])} is set but no judge is ({name('judge_model')} is not): without one the answers are "
+            f"not judged and it would be ignored. Set {name('judge_model')}, or drop {name(unused[0])}."
+        )
+
+
+def check_args(args) -> None:
+    """Refuse ``fora eval`` MT-Bench flags that would be ignored or that contradict each other, before anything runs:
+    an MT-Bench flag without ``--mt-bench``, a judging flag without ``--judge-model``, ``--mt-bench-compare``
+    without a judge, ``--mt-bench-pairwise`` without ``--mt-bench-compare`` (nothing to pair), and a compared
+    model_id given twice or equal to ``--model-id`` (one answer file: the model would be judged against itself)."""
+    given = [f.name for f in dataclasses.fields(MTBenchConfig) if getattr(args, f"mt_bench_{f.name}") is not None]
+    asked = "questions" in given
+    extra = [flag(n) for n in given if n != "questions"]
+    if args.mt_bench_compare:
+        extra.append("--mt-bench-compare")
+    if args.mt_bench_pairwise:
+        extra.append("--mt-bench-pairwise")
+    if not asked and extra:
+        raise FoRAInputError(
+            f"{extra[0]} applies to MT-Bench answers, and --mt-bench is not given: add --mt-bench "
+            "[QUESTIONS], or drop it."
+        )
+    _check_judging(given, args.mt_bench_judge_model, flag)
+    compare = list(args.mt_bench_compare)
+    if compare and args.mt_bench_judge_model is None:
+        raise FoRAInputError("--mt-bench-compare needs --judge-model: comparing means judging.")
+    if args.mt_bench_pairwise and not compare:
+        refuse(
+            "--mt-bench-pairwise",
+            True,
+            "it judges --model-id head to head against each --mt-bench-compare model, and none is given",
+            "Add --mt-bench-compare MODEL_ID (answered earlier into the same --output), or drop --mt-bench-pairwise.",
+        )
+    twice = sorted({m for m in compare if compare.count(m) > 1} | ({args.model_id} & set(compare)))
+    if twice:
+        refuse(
+            "--mt-bench-compare",
+            compare,
+            f"{twice[0]!r} is named twice (or is --model-id itself), and its answers are one file: it would be "
+            "judged against itself",
+            "Name each other model once, none of them --model-id.",
+        )
 
 
 def config_from_args(args) -> MTBenchConfig:

@@ -3,7 +3,7 @@
 ``fora eval --mt-bench`` and ``fora ablate``'s ``eval.mt_bench`` both call :func:`prepare` before the model loads (so
 every refusal comes before hours of generation), then :func:`run` per model, or :func:`score` for a closing table.
 
-May import: validation, mt_bench.config, mt_bench.questions, mt_bench.client, mt_bench.judge, mt_bench.results,
+May import: files, mt_bench.config, mt_bench.questions, mt_bench.client, mt_bench.judge, mt_bench.results,
 mt_bench.answers.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..validation import check_text_file
+from ..files import read_chat_template
 from .answers import generate_answers
 from .client import JudgeClient
 from .config import CHAT_TEMPLATES, MTBenchConfig, flag
@@ -50,7 +50,7 @@ def prepare(config: MTBenchConfig, out: Path | None = None, compare: Sequence[st
     generation."""
     questions = load_questions(config.questions, config.first_n)
     if config.chat_template is not None and config.chat_template not in CHAT_TEMPLATES:
-        check_text_file(config.chat_template, flag("chat_template"))
+        read_chat_template(config.chat_template, flag("chat_template"))  # UTF-8, and Jinja that compiles
     for model_id in compare:
         answers_of(out, model_id, questions, "--mt-bench-compare")
     references, client = {}, None

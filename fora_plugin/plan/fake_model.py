@@ -6,7 +6,7 @@ ones, answer the ``.item()`` calls of checkpointing and masking. A 4-bit bitsand
 quantized for fisher.py (scored from x and g, no weight gradient), with one dequantized weight alive during each of
 its matmuls. Also here: the pieces of a Trainer the plan's steps use (its view, batch, autocast, LoRA's AdamW).
 
-May import: backward, fisher, plan.setup, targets, trainer, validation, wiring.
+May import: backward, fisher, models, plan.setup, targets, trainer, wiring.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from trl.trainer import sft_trainer
 
 from ..backward import disable_input_require_grads, stop_backward_at_lowest_adapted_layer
 from ..fisher import mark_quantized
+from ..models import meta_model
 from ..targets import find_decoder_layers
 from ..trainer import checkpoint_as_in_training
-from ..validation import meta_model
 from ..wiring import choose_layers
 from .setup import PlanSetup, planned_layers
 
@@ -92,7 +92,7 @@ def plan_selection(setup: PlanSetup, model: nn.Module, planned: list[int] | None
     _, layers = find_decoder_layers(model)
     planned = planned_layers(setup, len(layers)) if planned is None else planned
     # A plan reads no scores file and scores nothing: the planned layers stand in for the run's choice.
-    fora = dataclasses.replace(setup.fora, layers=list(planned), scores_path=None)
+    fora = dataclasses.replace(setup.fora, layers=list(planned), layer_strategy="fisher", scores_path=None)
 
     def unused_score():  # fora.layers is set: choose_layers never scores
         raise ValueError("fora plan scores nothing to choose its layers: it plans the layers given to it")

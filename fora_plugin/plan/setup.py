@@ -5,7 +5,7 @@ Axolotl YAML through its `fora train` keys, checks the engine (DeepSpeed ZeRO, F
 and gathers the shapes, precision, LoRA and FoRA settings into a :class:`PlanSetup`; :func:`planned_placement` says
 which K layers fora and fg-lora are planned on.
 
-May import: config, errors, fsdp, recipe, selection, sharding, targets, validation, wiring, zero.
+May import: config, errors, fsdp, models, recipe, selection, sharding, targets, wiring, zero.
 """
 
 from __future__ import annotations
@@ -21,17 +21,16 @@ from typing import Any
 import torch
 import yaml
 from huggingface_hub import try_to_load_from_cache
-from transformers import AutoConfig, AutoModelForCausalLM
 from trl import get_peft_config
 
 from .. import config as fora_config
 from ..errors import FoRAInputError
-from ..fsdp import check_fsdp
+from ..fsdp import check_fsdp, check_one_engine
+from ..models import load_model_config
 from ..recipe import load_yaml_config, parse_config
 from ..selection import check_layer_indices, resolve_layer_budget, select_layers
 from ..sharding import ENGINES
 from ..targets import check_target_modules, check_target_parameters
-from ..validation import check_model_config
 from ..wiring import FoRASelection
 from ..zero import check_deepspeed_config, load_deepspeed_config
 
@@ -188,25 +187,6 @@ def find_model_config(model_ref: str, explicit: str | None = None) -> Path:
     )
 
 
-def load_model_config(path: Path, key: str = "model_name_or_path"):
-    """The transformers config in ``path``; refused unless it is UTF-8 JSON holding every shape key its architecture
-    needs (``key`` names it then) and describes a causal LM transformers can build."""
-    check_model_config(path, key)
-    try:
-        config = AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError) as error:
-        raise FoRAInputError(
-            f"{path} is not a transformers config.json ({str(error).splitlines()[0]}): give the config.json of a "
-            "causal language model."
-        ) from None
-    if type(config) not in AutoModelForCausalLM._model_mapping:
-        raise FoRAInputError(
-            f"{path} describes a {config.model_type!r} model ({', '.join(config.architectures or [])}), which is "
-            "not a causal LM: FoRA trains causal LMs (AutoModelForCausalLM). Give such a model's config.json."
-        )
-    return config
-
-
 def _axolotl_as_trl(cfg: dict[str, Any]) -> dict[str, Any]:
     """An Axolotl YAML's keys as `fora train` keys (the ones a plan needs; data keys are left out)."""
     out = {trl: cfg[key] for key, trl in _AXOLOTL_KEYS.items() if cfg.get(key) is not None}
@@ -270,6 +250,7 @@ def plan_setup(
     path = find_model_config(model_args.model_name_or_path, model_config)
     hf_config = load_model_config(path, "--model-config" if model_config is not None else "model_name_or_path")
 
+    check_one_engine(fsdp.get("fsdp") or fsdp.get("fsdp_config"), deepspeed)
     engine = "ddp" if gpus > 1 else "single"
     if deepspeed:
         name = f"deepspeed={deepspeed!r}" if isinstance(deepspeed, str) else "deepspeed"
