@@ -1,55 +1,27 @@
 """FoRAConfig: where to adapt and how, validated up front; and its ``fora_``-prefixed form for YAML configs.
 
-May import: adapter, errors, fisher, selection, stiefel, validation.
+May import: adapter, errors, fisher, optim, selection, stiefel, validation.
 """
 
 # No `from __future__ import annotations`: HfArgumentParser reads these field types at run time.
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from .adapter import INIT_A
 from .errors import FoRAInputError, refuse
 from .fisher import FISHER_PARAMS
+from .optim import check_cayley_adam_settings
 from .selection import LAYER_STRATEGIES, check_layer_list, parse_layer_budget
 from .stiefel import CAYLEY_SOLVERS
-from .validation import check_choice, check_float, check_int, is_real
+from .validation import check_choice, check_float, check_int
 
 
-__all__ = ["MODES", "MODE_PARTS", "PREFIX", "FoRAArguments", "FoRAConfig", "check_cayley_adam_settings"]
+__all__ = ["MODES", "MODE_PARTS", "PREFIX", "FoRAArguments", "FoRAConfig"]
 
 
 MODES = ("fora", "fg-lora", "stiefel-lora", "lora")
 # mode -> (Fisher-selected layers, Stiefel lora_B): the paper's 2x2 ablation.
 MODE_PARTS = {"fora": (True, True), "fg-lora": (True, False), "stiefel-lora": (False, True), "lora": (False, False)}
-
-
-def check_cayley_adam_settings(
-    *,
-    betas: Any,
-    eps: Any,
-    qr_period: Any,
-    cayley_solver: Any,
-    cayley_iters: Any,
-    keys: Mapping[str, Any] | None = None,
-) -> None:
-    """The one rule of each Cayley-Adam setting, which :class:`FoRAConfig` and ``CayleyAdam``'s param groups both
-    check. ``keys``: the caller's name of each setting where it differs (FoRAConfig's ``stiefel_eps``); ``betas``
-    named by a pair of keys is checked as two fields, by one key as a pair."""
-    keys = keys or {}
-    beta_keys = keys.get("betas", "betas")
-    if isinstance(beta_keys, str):
-        pair = isinstance(betas, (tuple, list)) and len(betas) == 2
-        if not (pair and all(is_real(b) and 0 <= b < 1 for b in betas)):
-            refuse(beta_keys, betas, "use two floats in [0, 1), e.g. (0.9, 0.99)")
-    else:
-        for key, beta in zip(beta_keys, betas):
-            check_float(key, beta, lambda x: 0 <= x < 1, "a float in [0, 1), e.g. 0.9 and 0.99")
-    check_float(keys.get("eps", "eps"), eps, lambda x: x >= 0, "a finite float >= 0, e.g. 1e-8")
-    check_int(keys.get("qr_period", "qr_period"), qr_period, 0, "0 = never re-project")
-    check_choice(keys.get("cayley_solver", "cayley_solver"), cayley_solver, CAYLEY_SOLVERS)
-    check_int(keys.get("cayley_iters", "cayley_iters"), cayley_iters, 1, "the paper uses 5")
 
 
 @dataclass
@@ -169,16 +141,19 @@ class FoRAConfig:
         self.layer_budget = parse_layer_budget(self.layer_budget)
         check_int("fisher_batches", self.fisher_batches, 1, "the paper uses 128")
         check_float("lr_stiefel", self.lr_stiefel, lambda x: x > 0, "a finite float > 0 (the paper uses 1e-3)")
-        check_cayley_adam_settings(
-            betas=(self.stiefel_beta1, self.stiefel_beta2),
-            eps=self.stiefel_eps,
-            qr_period=self.qr_period,
-            cayley_solver=self.cayley_solver,
-            cayley_iters=self.cayley_iters,
-            keys={"betas": ("stiefel_beta1", "stiefel_beta2"), "eps": "stiefel_eps"},
-        )
+        try:  # the optimizer's own rule, refused in FoRAConfig's names
+            check_cayley_adam_settings(
+                betas=(self.stiefel_beta1, self.stiefel_beta2),
+                eps=self.stiefel_eps,
+                qr_period=self.qr_period,
+                cayley_solver=self.cayley_solver,
+                cayley_iters=self.cayley_iters,
+                keys={"betas": ("stiefel_beta1", "stiefel_beta2"), "eps": "stiefel_eps"},
+            )
+        except ValueError as error:
+            raise FoRAInputError(str(error)) from None
         if self.cuda_graph not in (None, True, False):
-            refuse("cuda_graph", self.cuda_graph, "use true, false or leave it unset (captured where lora_B is on CUDA)")
+            refuse("cuda_graph", self.cuda_graph, "use true or false, or leave it unset (on CUDA)")
         if self.seed is not None:
             check_int("seed", self.seed, 0, "or None for the training seed")
         if self.layers is not None:

@@ -21,7 +21,8 @@ from transformers.utils import strtobool
 
 from .config import FoRAConfig
 from .errors import FoRAInputError
-from .optim import init_cayley_adam_state, is_dtensor
+from .optim import init_cayley_adam_state
+from .optim.dtensor import is_dtensor
 
 
 try:

@@ -5,7 +5,7 @@ trainer sees, AdamW groups and Cayley-Adam groups over one ``param_groups`` (:mo
 The functional step is imported from its module, ``from fora_plugin.optim.cayley_adam import cayley_adam``, as torch's
 ``from torch.optim.adam import adam``: re-exported here, its name would hide the module.
 
-May import: adapter, errors, stiefel, validation.
+May import: adapter, errors, stiefel.
 """
 
 from .cayley_adam import (
@@ -13,12 +13,13 @@ from .cayley_adam import (
     IMPLEMENTATIONS,
     REPROJECT_THRESHOLD,
     CayleyAdam,
+    check_cayley_adam_settings,
     init_cayley_adam_state,
-    is_dtensor,
     resolve_cuda_graph,
     resolve_implementation,
     stiefel_step_with_gradients,
 )
+from .dtensor import is_dtensor
 from .fora_optimizer import (
     UNSUPPORTED_LR_SCHEDULERS,
     FoRAOptimizer,
@@ -39,6 +40,7 @@ __all__ = [
     "build_fora_optimizer",
     "check_lr_scheduler_type",
     "fora_optimizer_parts",
+    "check_cayley_adam_settings",
     "init_cayley_adam_state",
     "is_dtensor",
     "resolve_cuda_graph",

@@ -1,7 +1,9 @@
 """Cayley-Adam on the Stiefel manifold, in the form of ``torch.optim.adam``: the functional step :func:`cayley_adam`
-and the optimizer :class:`CayleyAdam`, which keeps the state beside each parameter and calls it.
+and the optimizer :class:`CayleyAdam`, which keeps the state beside each parameter and calls it. It needs torch and
+Stiefel geometry only (PEFT's ``optimizers`` could take it as is); its checks raise ``ValueError``/``TypeError``, as
+torch's optimizers do.
 
-May import: adapter, config, errors, stiefel, validation.
+May import: adapter, optim.dtensor, stiefel.
 """
 
 from __future__ import annotations
@@ -12,20 +14,18 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..adapter import expert_blocks
-from ..config import check_cayley_adam_settings
-from ..errors import FoRAInputError, FoRAInputTypeError
-from ..stiefel import cayley_span_step, cholesky_qr, inverse_cholesky_factor, qr_retraction, skew_generator
-from ..validation import check_choice, check_float, check_int
-
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch build without torch.distributed
-    DTensor = None
+from ..stiefel import (
+    CAYLEY_SOLVERS,
+    cayley_span_step,
+    cholesky_qr,
+    inverse_cholesky_factor,
+    qr_retraction,
+    skew_generator,
+)
+from .dtensor import all_reduce_sum, is_dtensor, local_gradient, local_rows, reduce_groups
 
 
 __all__ = [
@@ -34,16 +34,12 @@ __all__ = [
     "IMPLEMENTATIONS",
     "REPROJECT_THRESHOLD",
     "CayleyAdam",
-    "all_reduce_sum",
     "bucket_key",
     "cayley_adam",
+    "check_cayley_adam_settings",
     "compute_dtype",
     "counter_total",
     "init_cayley_adam_state",
-    "local_gradient",
-    "is_dtensor",
-    "local_rows",
-    "reduce_groups",
     "resolve_cuda_graph",
     "resolve_implementation",
     "restore_compute_state",
@@ -85,53 +81,6 @@ def compute_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a DTensor (a sharded parameter of FSDP2); False where torch has no DTensor."""
-    return DTensor is not None and isinstance(t, DTensor)
-
-
-def local_rows(t: torch.Tensor) -> torch.Tensor:
-    """The rows this rank holds: the local shard of a DTensor, the tensor itself otherwise."""
-    return t.to_local() if is_dtensor(t) else t
-
-
-def reduce_groups(p: torch.Tensor) -> tuple:
-    """The process groups over which a sum over ``p``'s rows must be all-reduced (empty for a plain tensor)."""
-    if not is_dtensor(p):
-        return ()
-    groups = []
-    for dim, placement in enumerate(p.placements):
-        if placement.is_shard(0):
-            groups.append(p.device_mesh.get_group(dim))
-        elif not placement.is_replicate():
-            raise FoRAInputError(
-                f"CayleyAdam got a DTensor lora_B of shape {tuple(p.shape)} with placements {p.placements}: the "
-                "Cayley step needs whole rows on each rank. Shard it by rows (Shard(0), as FSDP2's fully_shard "
-                "does) or replicate it."
-            )
-    return tuple(groups)
-
-
-def all_reduce_sum(tensor: torch.Tensor, groups: tuple) -> None:
-    """Sum ``tensor`` in place over each process group of ``groups`` (:func:`reduce_groups`); none: nothing."""
-    for group in groups:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-
-
-def local_gradient(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """The rows of ``grad`` that this rank holds of ``p``: a DTensor gradient is first laid out as ``p`` is."""
-    if is_dtensor(p):
-        if not isinstance(grad, DTensor):
-            raise FoRAInputTypeError(
-                f"CayleyAdam: lora_B of shape {tuple(p.shape)} is a DTensor but its gradient is a plain tensor of "
-                f"shape {tuple(grad.shape)}: pass the gradient as a DTensor with the parameter's placements."
-            )
-        if grad.placements != p.placements:
-            grad = grad.redistribute(p.device_mesh, p.placements)
-        return grad.to_local()
-    return grad
-
-
 def bucket_key(p: torch.Tensor) -> tuple:
     """What Stiefel parameters are stepped together by: whole-matrix shape, device, compute dtype and layout (a
     DTensor's mesh and placements). What every rank sees alike, so the all-reduces of a sharded bucket pair up across
@@ -141,8 +90,53 @@ def bucket_key(p: torch.Tensor) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------------------ checks
+def _refuse(key: str, value: Any, accepted: str, error: type[Exception] = ValueError) -> None:
+    raise error(f"{key}={value!r} is invalid: {accepted}.")
+
+
+def _real(value: Any) -> bool:
+    """A finite int or float (not a bool: YAML's `true` is not 1)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _integer(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int)
+
+
+def check_cayley_adam_settings(
+    *,
+    betas: Any,
+    eps: Any,
+    qr_period: Any,
+    cayley_solver: Any,
+    cayley_iters: Any,
+    keys: Mapping[str, Any] | None = None,
+) -> None:
+    """The one rule of each Cayley-Adam setting, which ``CayleyAdam``'s param groups and ``FoRAConfig`` both check:
+    ``ValueError`` naming the key, the value and what is accepted. ``keys``: the caller's name of each setting where it
+    differs (FoRAConfig's ``stiefel_eps``); ``betas`` named by a pair of keys is checked as two settings."""
+    keys = keys or {}
+    beta_keys = keys.get("betas", "betas")
+    if isinstance(beta_keys, str):
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_real(b) and 0 <= b < 1 for b in betas)):
+            _refuse(beta_keys, betas, "use two floats in [0, 1), e.g. (0.9, 0.99)")
+    else:
+        for key, beta in zip(beta_keys, betas):
+            if not (_real(beta) and 0 <= beta < 1):
+                _refuse(key, beta, "use a float in [0, 1), e.g. 0.9 and 0.99")
+    if not (_real(eps) and eps >= 0):
+        _refuse(keys.get("eps", "eps"), eps, "use a finite float >= 0, e.g. 1e-8")
+    if not (_integer(qr_period) and qr_period >= 0):
+        _refuse(keys.get("qr_period", "qr_period"), qr_period, "use an int >= 0 (0 = never re-project)")
+    if cayley_solver not in CAYLEY_SOLVERS:
+        _refuse(keys.get("cayley_solver", "cayley_solver"), cayley_solver, f"use one of {CAYLEY_SOLVERS}")
+    if not (_integer(cayley_iters) and cayley_iters >= 1):
+        _refuse(keys.get("cayley_iters", "cayley_iters"), cayley_iters, "use an int >= 1 (the paper uses 5)")
+
+
 def _check_hyperparameters(group: dict[str, Any]) -> None:
-    check_float("lr", group["lr"], lambda x: x >= 0, "a finite float >= 0 (the paper uses 1e-3)")
+    if not (_real(group["lr"]) and group["lr"] >= 0):
+        _refuse("lr", group["lr"], "use a finite float >= 0 (the paper uses 1e-3)")
     check_cayley_adam_settings(
         betas=group["betas"],
         eps=group["eps"],
@@ -150,48 +144,50 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
         cayley_solver=group["cayley_solver"],
         cayley_iters=group["cayley_iters"],
     )
-    check_float(
-        "reproject_threshold",
-        group.get("reproject_threshold", REPROJECT_THRESHOLD),
-        lambda x: x > 0,
-        f"a finite float > 0 (default {REPROJECT_THRESHOLD}, the ‖BᵀB − I‖ above which B is re-projected onto the "
-        "manifold)",
-    )
-    check_int(
-        "num_experts",
-        group.get("num_experts", 1),
-        1,
-        "the number of (d_out, r) expert blocks interleaved in each lora_B of the group; 1 for an ordinary LoRA layer",
-    )
-    if group.get("implementation") is not None:
-        check_choice("implementation", group["implementation"], IMPLEMENTATIONS)
-    if group.get("cuda_graph") not in (None, True, False):
-        raise FoRAInputTypeError(
-            f"cuda_graph={group['cuda_graph']!r} is invalid: use True, False or None (captured where the parameters "
-            "are on CUDA)."
+    threshold = group["reproject_threshold"]
+    if not (_real(threshold) and threshold > 0):
+        _refuse(
+            "reproject_threshold",
+            threshold,
+            f"use a finite float > 0 (default {REPROJECT_THRESHOLD}, the ‖BᵀB − I‖ above which B is re-projected onto "
+            "the manifold)",
+        )
+    if not (_integer(group["num_experts"]) and group["num_experts"] >= 1):
+        _refuse(
+            "num_experts",
+            group["num_experts"],
+            "use an int >= 1 (the number of (d_out, r) expert blocks interleaved in each lora_B of the group; 1 for "
+            "an ordinary LoRA layer)",
+        )
+    if group["implementation"] not in (None, *IMPLEMENTATIONS):
+        _refuse("implementation", group["implementation"], f"use one of {IMPLEMENTATIONS}, or None (by device)")
+    if group["cuda_graph"] not in (None, True, False):
+        _refuse(
+            "cuda_graph",
+            group["cuda_graph"],
+            "use True, False or None (captured where the parameters are on CUDA)",
+            TypeError,
         )
 
 
 def _check_stiefel_parameter(p: torch.Tensor, index: int, num_experts: int = 1) -> None:
     if not p.is_floating_point():
-        raise FoRAInputTypeError(
-            f"CayleyAdam parameter #{index} has dtype {p.dtype}; a Stiefel matrix must be floating point."
-        )
+        raise TypeError(f"CayleyAdam parameter #{index} has dtype {p.dtype}; a Stiefel matrix must be floating point.")
     if p.ndim != 2:
-        raise FoRAInputError(
+        raise ValueError(
             f"CayleyAdam parameter #{index} has shape {tuple(p.shape)}: only 2-D (d_out, r) matrices "
             "can be kept column-orthonormal. Put 1-D parameters (biases, norms) in an AdamW group."
         )
     d, width = p.shape
     if width % num_experts:
-        raise FoRAInputError(
+        raise ValueError(
             f"CayleyAdam parameter #{index} has shape {tuple(p.shape)} in a group with num_experts={num_experts}: "
             f"its {width} columns are not r columns for each of {num_experts} experts. Put it in the group of its "
             "own number of experts (PEFT's lora_B of E experts has r·E columns)."
         )
     r = width // num_experts
     if d < r:
-        raise FoRAInputError(
+        raise ValueError(
             f"CayleyAdam parameter #{index} has shape {tuple(p.shape)} with d_out={d} < r={r}: it "
             f"cannot have {r} orthonormal columns. Use a LoRA rank r <= {d} for this module."
         )
@@ -288,7 +284,7 @@ class CayleyAdam(Optimizer):
         group = self.param_groups[-1]
         _check_hyperparameters(group)
         for index, p in enumerate(group["params"]):
-            _check_stiefel_parameter(p, index, group.get("num_experts", 1))
+            _check_stiefel_parameter(p, index, group["num_experts"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -463,7 +459,7 @@ def _group_step(
     eagerly or by replaying the group's captured graph (:class:`_CapturedStep`)."""
     state, written = optimizer.state, optimizer._written
     group["steps"] += 1
-    num_experts = group.get("num_experts", 1)  # a group saved before per-expert blocks existed has no key
+    num_experts = group["num_experts"]
     period = group["qr_period"]
     params, param_grads = [], []
     changed = False
@@ -472,14 +468,12 @@ def _group_step(
         if grad is None:
             continue
         if grad.is_sparse:
-            raise FoRAInputTypeError("CayleyAdam does not support sparse gradients.")
+            raise TypeError("CayleyAdam does not support sparse gradients.")
         if not state[p]:
             init_cayley_adam_state(state[p], p, num_experts)
             changed = True
         else:
             changed |= _follow_parameter(state[p], p, written.get(p))
-        if "reprojections" not in state[p]:  # a state saved before the counter existed
-            state[p]["reprojections"] = torch.zeros_like(state[p]["skipped_steps"])
         params.append(p)
         param_grads.append(grad)
     if not params:
@@ -506,9 +500,9 @@ def _step_arguments(optimizer: CayleyAdam, group: dict[str, Any], params: list[t
         eps=group["eps"],
         cayley_solver=group["cayley_solver"],
         cayley_iters=group["cayley_iters"],
-        reproject_threshold=group.get("reproject_threshold", REPROJECT_THRESHOLD),  # absent from older checkpoints
-        num_experts=group.get("num_experts", 1),
-        implementation=group.get("implementation"),  # likewise
+        reproject_threshold=group["reproject_threshold"],
+        num_experts=group["num_experts"],
+        implementation=group["implementation"],
         constants=optimizer._constants,
     )
     return (*lists, [s.get("master") for s in states]), settings
@@ -602,13 +596,13 @@ def _captured_step(
 ) -> _CapturedStep | None:
     """The group's captured step to replay now, captured now if need be; None: step eagerly this time."""
     captures = optimizer._captures
-    if not resolve_cuda_graph(group.get("cuda_graph"), params):
+    if not resolve_cuda_graph(group["cuda_graph"], params):
         if captures:
             captures.pop(id(group), None)
         return None
     device = params[0].device
     if device.type not in GRAPH_BACKENDS:
-        raise FoRAInputError(
+        raise ValueError(
             f"CayleyAdam's cuda_graph=True got parameters on {device}: a step can be captured on "
             f"{sorted(GRAPH_BACKENDS)} only. Leave cuda_graph unset (None: captured where it can be) or set it to "
             "False."
@@ -694,8 +688,8 @@ def cayley_adam(
     are summed over the mesh (one all-reduce per mesh) before phase 2. A fused-MoE ``lora_B`` (d_out, r·E) is E
     matrices (its interleaved expert blocks), each with its own scalars.
     """
-    if implementation is not None:
-        check_choice("implementation", implementation, IMPLEMENTATIONS)
+    if implementation not in (None, *IMPLEMENTATIONS):
+        _refuse("implementation", implementation, f"use one of {IMPLEMENTATIONS}, or None (by device)")
     if masters is None:
         masters = [None] * len(params)
     local_grads = [local_gradient(p, g) for p, g in zip(params, grads)]
