@@ -797,12 +797,35 @@ def _lerp_weights(grad_sq: torch.Tensor, constants: _Constants) -> torch.Tensor:
 
 
 # ---- phases 1 and 3 matrix by matrix, each in its own storage (the CPU's)
+# A plain lora_B is worked on as the (d, r) matrix it is, with 2-D products; a fused-MoE one as its (E, d, r) blocks,
+# with batched products. Each matrix's outputs are views made in one op per kind before the loop: an op costs
+# microseconds of host time on a CPU.
 def _blocks(t: torch.Tensor, E: int, dtype: torch.dtype) -> torch.Tensor:
-    """The (E, d, r) matrices of ``t`` (d, r·E) in ``dtype``: a view of ``t`` where it already is one of that dtype (a
-    plain matrix), a copy otherwise (interleaved expert blocks, which products would copy anyway; a bf16 gradient)."""
-    if E == 1 and t.dtype == dtype:
-        return t.unsqueeze(0)
+    """``t`` (d, r·E) as the matrices the step works on, in ``dtype``: ``t`` itself where it is a plain matrix of that
+    dtype, else a copy ((E, d, r) interleaved expert blocks, which products would copy anyway; a bf16 gradient)."""
+    if E == 1:
+        return t if t.dtype == dtype else t.to(dtype)
     return expert_blocks(t, E).to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def _slots(t: torch.Tensor, E: int) -> tuple[torch.Tensor, ...]:
+    """``t``'s leading dimension (one entry per matrix) as one view per lora_B: an entry, or E of them."""
+    return t.unbind(0) if E == 1 else t.split(E)
+
+
+def _norm_limit(dtype: torch.dtype) -> float:
+    """The largest ``x`` of ``dtype`` whose square is finite in ``dtype``: ``‖G‖ <= limit`` holds exactly where
+    ``‖G‖²`` is finite, so one comparison of the norm decides a skip."""
+    limit = torch.tensor(math.sqrt(torch.finfo(dtype).max), dtype=dtype)
+    inf = torch.tensor(math.inf, dtype=dtype)
+    while not torch.isfinite(limit * limit):
+        limit = torch.nextafter(limit, -inf)
+    while torch.isfinite(torch.nextafter(limit, inf) ** 2):
+        limit = torch.nextafter(limit, inf)
+    return limit.item()
+
+
+_NORM_LIMITS = {dtype: _norm_limit(dtype) for dtype in (torch.float32, torch.float64)}
 
 
 def _measure_per_matrix(
@@ -821,30 +844,33 @@ def _measure_per_matrix(
     dtype, device = moments[0].dtype, moments[0].device
     n, d, r = len(params) * E, points[0].shape[0], points[0].shape[1] // E
     sharded = bool(reduce_groups(params[0]))
-    # Each matrix's outputs are views made in one op per kind before the loop (an op costs microseconds on a CPU):
-    # ‖G‖ (n, 1, 1), and the blocks BᵀB, Bᵀm, mᵀm (n, r, r) of each Gram matrix, each written whole (a product into
-    # a strided block of one (n, 2r, 2r) tensor would go through a copy, and break a compiled graph).
+    product = torch.mm if E == 1 else torch.bmm
+    # ‖G‖ of each matrix, and the blocks BᵀB, Bᵀm, mᵀm of its Gram matrix, each written whole (a product into a
+    # strided block of one (n, 2r, 2r) tensor would go through a copy, and break a compiled graph).
     norms = torch.empty((n, 1, 1), dtype=dtype, device=device)
     blocks = torch.empty((3, n, r, r), dtype=dtype, device=device)
-    outputs = zip(norms.split(E), *(b.split(E) for b in blocks))
-    scratch = torch.empty((1, d, r), dtype=dtype, device=device)  # a gradient made finite, where not a copy
+    outputs = zip(_slots(norms if E > 1 else norms.view(n), E), *(_slots(b, E) for b in blocks))
+    scratch = torch.empty((d, r), dtype=dtype, device=device)  # a gradient made finite, where not a copy
+    limit = _NORM_LIMITS[dtype]
     old_moments = [] if sharded else None
     for B, m, G, (norm, btb, btm, mtm) in zip(points, moments, grads, outputs):
         view = E == 1 and G.dtype == dtype  # else _blocks copies
-        G = _finite_gradient(_blocks(G, E, dtype), out=scratch if view else None)  # (E, d, r)
-        torch.linalg.vector_norm(G, dim=(1, 2), keepdim=True, out=norm)  # squared: inf if G was not finite
+        G = _finite_gradient(_blocks(G, E, dtype), out=scratch if view else None)
+        torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=E > 1, out=norm)  # its square is inf if G was not finite
         M = _blocks(m, E, dtype)
         if sharded:
             old_moments.append(M.clone())
-        M.lerp_(G, _lerp_weights(norm.square(), constants))  # m_{t+1}; a skipped matrix keeps m_t: m + 0·G
+        # m_{t+1}; a skipped matrix keeps m_t: m + 0·G
+        M.lerp_(G, torch.where(norm <= limit, constants.lerp_weight, constants.zero))
         if E > 1:
             expert_blocks(m, E).copy_(M)
         B = _blocks(B, E, dtype)
         Bt = B.mT
-        torch.bmm(Bt, B, out=btb)
-        torch.bmm(Bt, M, out=btm)
-        torch.bmm(M.mT, M, out=mtm)
-    gram = torch.cat((torch.cat((blocks[0], blocks[1]), dim=2), torch.cat((blocks[1].mT, blocks[2]), dim=2)), dim=1)
+        product(Bt, B, out=btb)
+        product(Bt, M, out=btm)
+        product(M.mT, M, out=mtm)
+    gram = torch.empty((n, 2 * r, 2 * r), dtype=dtype, device=device)
+    gram[:, :r, :r], gram[:, :r, r:], gram[:, r:, :r], gram[:, r:, r:] = blocks[0], blocks[1], blocks[1].mT, blocks[2]
     return gram, norms.view(n).square_(), old_moments
 
 
@@ -861,15 +887,16 @@ def _update_per_matrix(
     """Phase 3 for one bucket, matrix by matrix: [B, m] ← [B, m] + [B, m] Δ, Δ (n, 2r, 2r)."""
     points, moments = _points(params, masters), [local_rows(t) for t in exp_avgs]
     d, r = points[0].shape[0], points[0].shape[1] // E
+    product, accumulate = (torch.mm, torch.Tensor.addmm_) if E == 1 else (torch.bmm, torch.Tensor.baddbmm_)
     # [B, m] Δ of one matrix, its two halves apart: each is then added to a dense tensor (5% faster than halves of
     # one (E, d, 2r) product on a CPU, where the adds read their operands from memory).
-    step_b, step_m = torch.empty((2, E, d, r), dtype=dtype, device=delta.device)
-    quarters = [q.split(E) for q in (delta[:, :r, :r], delta[:, r:, :r], delta[:, :r, r:], delta[:, r:, r:])]
-    keep = finite.view(-1, 1, 1).split(E) if old_moments is not None else [None] * len(points)
+    step_b, step_m = torch.empty((2, *((E,) if E > 1 else ()), d, r), dtype=dtype, device=delta.device)
+    quarters = [_slots(q, E) for q in (delta[:, :r, :r], delta[:, r:, :r], delta[:, :r, r:], delta[:, r:, r:])]
+    keep = _slots(finite.view(-1, 1, 1), E) if old_moments is not None else [None] * len(points)
     for i, (point, moment, (bb, mb, bm, mm), kept) in enumerate(zip(points, moments, zip(*quarters), keep)):
         B, M = _blocks(point, E, dtype), _blocks(moment, E, dtype)
-        torch.bmm(B, bb, out=step_b).baddbmm_(M, mb)
-        torch.bmm(B, bm, out=step_m).baddbmm_(M, mm)
+        accumulate(product(B, bb, out=step_b), M, mb)
+        accumulate(product(B, bm, out=step_m), M, mm)
         # The step is added to [B, m], never formed as [B, m] (I + Δ): B_{t+1} − B_t is small, and adding it keeps
         # the fp32 drift from the manifold ~10x lower.
         B.add_(step_b)
