@@ -168,8 +168,9 @@ def test_the_layers_below_run_without_checkpoints_and_get_them_back_when_the_sto
     trainer = make(tmp_path, reentrant)
     train_one_step(trainer)
     _, layers = find_decoder_layers(trainer.model)
-    assert [layer.gradient_checkpointing for layer in layers] == [False, False, True, True]
     stop = trainer.fora_backward_stop
+    # (Layer 2 itself runs without its checkpoint where transformers < 5.23 runs its hooks inside it, reentrant.)
+    assert [layer.gradient_checkpointing for layer in layers] == [False, False, not stop._checkpoint_off, True]
     # Reentrant: the hidden state entering layer 2 requires grad through a zero that does; its gradient is dropped.
     assert (stop._anchor is not None) == reentrant and (stop._anchor is None or stop._anchor.grad is None)
     stop.remove()

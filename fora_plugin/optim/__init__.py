@@ -1,6 +1,7 @@
 """FoRA's optimizers, in the form of ``torch.optim``: Cayley-Adam on the Stiefel manifold for ``lora_B``
 (:mod:`.cayley_adam`: the functional step ``cayley_adam`` and the class :class:`CayleyAdam`) and the one optimizer a
-trainer sees, AdamW groups and Cayley-Adam groups over one ``param_groups`` (:mod:`.fora_optimizer`).
+trainer sees, AdamW groups (with fp32 masters for bf16 adapters: :class:`MasterAdamW`) and Cayley-Adam groups over one
+``param_groups`` (:mod:`.fora_optimizer`).
 
 The functional step is imported from its module, ``from fora_plugin.optim.cayley_adam import cayley_adam``, as torch's
 ``from torch.optim.adam import adam``: re-exported here, its name would hide the module.
@@ -18,27 +19,33 @@ from .cayley_adam import (
     stiefel_step_with_gradients,
 )
 from .fora_optimizer import (
+    MASTER_STATE_KEYS,
     UNSUPPORTED_LR_SCHEDULERS,
     FoRAOptimizer,
+    MasterAdamW,
     build_fora_optimizer,
     check_lr_scheduler_type,
     fora_optimizer_parts,
+    restore_master_state,
     wrapped_optimizers,
 )
 
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "MASTER_STATE_KEYS",
     "REPROJECT_THRESHOLD",
     "UNSUPPORTED_LR_SCHEDULERS",
     "CayleyAdam",
     "FoRAOptimizer",
+    "MasterAdamW",
     "build_fora_optimizer",
     "check_lr_scheduler_type",
     "fora_optimizer_parts",
     "init_cayley_adam_state",
     "is_dtensor",
     "resolve_implementation",
+    "restore_master_state",
     "stiefel_step_with_gradients",
     "wrapped_optimizers",
 ]
