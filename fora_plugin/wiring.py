@@ -293,19 +293,20 @@ def _is_lora_weight(name: str) -> bool:
     return any(part.startswith("lora_") for part in name.split("."))
 
 
-# decoder stack -> the handle of its input-cast pre-hook, so that setting it again replaces it.
+# model -> the handle of its input-cast pre-hook, so that setting it again replaces it.
 _INPUT_CAST_HOOKS: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = weakref.WeakKeyDictionary()
 
 
 class _InputCastUnderAutocast:
-    """A forward pre-hook on the decoder stack: each forward, the LoRA layers skip PEFT's input cast exactly when it
-    runs under autocast on its inputs' device (``cast_input_dtype_enabled``, PEFT's public switch per layer).
+    """A forward pre-hook on the transformers model under the PeftModel: each forward, the LoRA layers skip PEFT's
+    input cast exactly when it runs under autocast on its inputs' device (``cast_input_dtype_enabled``, PEFT's public
+    switch per layer).
 
     Under autocast, ``F.linear`` casts both operands to the autocast dtype, so PEFT's fp32 copy of a bf16 input is
     cast straight back: the adapter computes the same numbers from the input itself, and its gradient is the same.
     Without autocast, a bf16 input meets fp32 adapter weights, and PEFT's cast is what makes the matmul possible. The
-    stack, not each LoRA layer, carries the hook: it runs once per forward (training steps and ``generate`` alike),
-    and a layer keeps the fast path of ``nn.Module.__call__``.
+    model, not each LoRA layer, carries the hook: it runs once per forward (PEFT's forward calls it, and so does
+    ``generate`` at every token), and a layer keeps the fast path of ``nn.Module.__call__``.
     """
 
     def __init__(self, layers: list[nn.Module]) -> None:
@@ -328,9 +329,8 @@ def set_input_cast(model: nn.Module, input_cast: str) -> int:
     keeps PEFT's cast. Setting it again replaces the earlier setting.
     """
     check_choice("input_cast", input_cast, INPUT_CASTS)
-    prefix, _ = find_decoder_layers(model)
-    stack = model.get_submodule(prefix.rpartition(".")[0])
-    previous = _INPUT_CAST_HOOKS.pop(stack, None)
+    holder = model.get_base_model() if isinstance(model, PeftModel) else model
+    previous = _INPUT_CAST_HOOKS.pop(holder, None)
     if previous is not None:
         previous.remove()
     lora_linears = [m for m in model.modules() if isinstance(m, LoraLinear)]
@@ -339,7 +339,7 @@ def set_input_cast(model: nn.Module, input_cast: str) -> int:
     plain = [layer for layer in lora_linears if not layer.lora_variant]
     if input_cast == "peft" or not plain:
         return 0
-    _INPUT_CAST_HOOKS[stack] = stack.register_forward_pre_hook(_InputCastUnderAutocast(plain), with_kwargs=True)
+    _INPUT_CAST_HOOKS[holder] = holder.register_forward_pre_hook(_InputCastUnderAutocast(plain), with_kwargs=True)
     return len(plain)
 
 

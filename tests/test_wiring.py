@@ -94,8 +94,8 @@ def test_without_autocast_peft_casts_as_before(monkeypatch):
 
 def test_setting_it_again_replaces_the_hook_and_peft_takes_it_off():
     model = peft_llama(cast="auto")
-    stack = model.get_base_model().model
-    hooks = lambda: [h for h in stack._forward_pre_hooks.values() if type(h).__name__ == "_InputCastUnderAutocast"]  # noqa: E731
+    base = model.get_base_model()
+    hooks = lambda: [h for h in base._forward_pre_hooks.values() if type(h).__name__ == "_InputCastUnderAutocast"]  # noqa: E731
     assert set_input_cast(model, "auto") == 4 * len(TARGETS) and len(hooks()) == 1
     assert set_input_cast(model, "peft") == 0 and not hooks()
     assert all(m.cast_input_dtype_enabled for m in model.modules() if hasattr(m, "cast_input_dtype_enabled"))
