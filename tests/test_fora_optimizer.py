@@ -108,6 +108,20 @@ def test_fora_optimizer_masters_resume_bit_identically_and_own_their_storage():
     assert orthogonality_error(resumed.state[b2]["master"]) < 1e-5
 
 
+def test_loading_a_state_adds_no_entry_for_a_parameter_without_state():
+    # accelerate's AcceleratedOptimizer loads the optimizer's own (empty) state_dict when it wraps it, and FSDP2 swaps
+    # the parameters for sharded ones afterwards: an entry keyed by an old parameter would break state_dict().
+    gen = torch.Generator().manual_seed(9)
+    a, _ = bf16_and_reference([(4, 9)], seed=10)
+    b = torch.nn.Parameter(random_stiefel(9, 4, generator=gen).bfloat16())
+    optimizer = build(a, b)
+    optimizer.load_state_dict(copy.deepcopy(build(a, b).state_dict()))
+    assert len(optimizer.state) == 0
+    a[0].grad, b.grad = torch.randn(4, 9, generator=gen).bfloat16(), torch.randn(9, 4, generator=gen).bfloat16()
+    optimizer.step()
+    assert len(optimizer.state) == 2 and len(optimizer.state_dict()["state"]) == 2
+
+
 def test_a_checkpoint_of_fp32_adapters_resumed_with_bf16_ones_keeps_this_runs_masters():
     gen = torch.Generator().manual_seed(5)
     (a,), (a32,) = bf16_and_reference([(4, 9)], seed=6)

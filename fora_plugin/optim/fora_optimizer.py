@@ -219,13 +219,16 @@ def restore_master_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> No
         if not group.get("master_weights"):
             continue
         for saved_id, p in zip(saved_group["params"], group["params"]):
-            saved = state_dict["state"].get(saved_id, {})
+            saved = state_dict["state"].get(saved_id)
+            state = optimizer.state.get(p)  # never an empty entry: FSDP2 swaps the parameters after a load
+            if not saved or state is None:
+                continue
             for key in MASTER_STATE_KEYS:
                 if key in saved:
                     # A copy: the loaded state must not share storage with the state_dict it came from.
-                    optimizer.state[p][key] = saved[key].to(dtype=compute_dtype(p), device=p.device, copy=True)
-            if "step" in optimizer.state[p]:  # torch's loader hands a host step count over as it was saved
-                optimizer.state[p]["step"] = optimizer.state[p]["step"].clone()
+                    state[key] = saved[key].to(dtype=compute_dtype(p), device=p.device, copy=True)
+            if "step" in state:  # torch's loader hands a host step count over as it was saved
+                state["step"] = state["step"].clone()
 
 
 class FoRAOptimizer(Optimizer):
