@@ -110,7 +110,8 @@ class BackwardStop:
     """The backward stop on one model: the lowest adapted layer, its forward pre-hook, and how it is applied.
 
     The pre-hook, on every training forward with gradients: under reentrant checkpointing it makes the hidden state
-    entering the layer require grad (a new leaf: the caller's tensor is left as it was). A hidden state that already
+    entering the layer require grad (plus a zero that requires grad, :meth:`_anchor_on`: the caller's tensor is left
+    as it was, and the backward ends there). A hidden state that already
     requires grad (an input hook whose handle was lost, see :meth:`_pre_hook`) is detached there, since nothing
     below is trainable: the backward stops at the layer all the same.
 
@@ -124,8 +125,11 @@ class BackwardStop:
         self.model = model
         self.index = index
         self.layer = layers[index]
+        self.below = list(layers[:index])
+        self._below_off: list[nn.Module] = []
         self.reentrant = False
         self._checkpoint_off = False
+        self._anchor: torch.Tensor | None = None
         self._warned = False  # the lost-hook message is given once
         self._handle = self.layer.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
 
@@ -135,11 +139,20 @@ class BackwardStop:
         say so in the log (INFO)."""
         removed = disable_input_require_grads(self.model)
         self.reentrant = checkpointing and reentrant
+        if self.reentrant:
+            self._anchor_on(next(self.layer.parameters()).device)
         self._checkpoint_off = False
         checkpointed = getattr(self.layer, "gradient_checkpointing", False)
         if self.reentrant and checkpointed and _hooks_run_inside_checkpoint(self.layer):
             self.layer.gradient_checkpointing = False
             self._checkpoint_off = True
+        # No backward reaches the layers below, so a checkpoint there would keep nothing and recompute nothing; a
+        # reentrant one would also put a no-grad checkpoint region into a compiled graph (torch.compile's
+        # rematerialisation refuses one holding random ops).
+        checkpointed_below = [layer for layer in self.below if getattr(layer, "gradient_checkpointing", False)]
+        for layer in checkpointed_below:
+            layer.gradient_checkpointing = False
+        self._below_off = list(dict.fromkeys(self._below_off + checkpointed_below))
         (logger.info if verbose else logger.debug)(
             "FoRA: the backward stops at decoder layer %d (the lowest adapted one)%s; %s.",
             self.index,
@@ -157,6 +170,18 @@ class BackwardStop:
         if self._checkpoint_off:
             self.layer.gradient_checkpointing = True
             self._checkpoint_off = False
+        for layer in self._below_off:
+            layer.gradient_checkpointing = True
+        self._below_off = []
+
+    def _anchor_on(self, device: torch.device) -> torch.Tensor:
+        """A 0-dim zero that requires grad, on ``device``: added to the hidden state entering the layer, it makes that
+        state require grad without a new leaf inside the forward (``requires_grad_`` on an intermediate tensor breaks
+        a compiled graph). Made at :meth:`apply`, outside any compiled region; its gradient is dropped as it comes."""
+        if self._anchor is None or self._anchor.device != device:
+            self._anchor = torch.zeros((), device=device, requires_grad=True)
+            self._anchor.register_post_accumulate_grad_hook(lambda anchor: setattr(anchor, "grad", None))
+        return self._anchor
 
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not (module.training and torch.is_grad_enabled()):
@@ -179,9 +204,9 @@ class BackwardStop:
                 )
             hidden = hidden.detach()
             if self.reentrant and not self._checkpoint_off:
-                hidden.requires_grad_(True)
+                hidden = hidden + self._anchor_on(hidden.device)
         elif self.reentrant and not self._checkpoint_off:
-            hidden = hidden.detach().requires_grad_(True)
+            hidden = hidden + self._anchor_on(hidden.device)
         else:
             return None
         if positional:

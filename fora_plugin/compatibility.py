@@ -10,8 +10,11 @@ May import: errors, validation, config.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from .config import FoRAConfig
 from .errors import FoRAInputError
@@ -25,6 +28,7 @@ __all__ = [
     "check_init_lora_weights",
     "check_layers_unset",
     "check_learning_rate",
+    "check_liger",
     "check_optimizer",
 ]
 
@@ -105,3 +109,21 @@ def check_dora(use_dora: Any, fora: FoRAConfig, key: str, mode_key: str, fix: st
             f"{key}=True cannot be combined with {mode_key}={fora.mode!r}: DoRA's magnitude rescales lora_B's "
             f"columns, which must stay orthonormal. {fix}"
         )
+
+
+def check_liger(requested: Any, key: str, *, cpu: bool = False) -> None:
+    """Refuse Liger's kernels where they cannot run: without the ``liger-kernel`` package, or without a CUDA GPU for
+    the run (``cpu``: the run is told to use the CPU). Liger's RMSNorm, SwiGLU and RoPE are Triton kernels for GPUs:
+    without this, transformers or Axolotl would stop later, after loading the model, with a traceback."""
+    if not requested:
+        return
+    if importlib.util.find_spec("liger_kernel") is None:
+        problem = "the liger-kernel package is not installed"
+    elif cpu or not torch.cuda.is_available():
+        problem = "this run has no CUDA GPU (Liger's kernels are Triton kernels for GPUs)"
+    else:
+        return
+    raise FoRAInputError(
+        f"{key}=True cannot run here: {problem}. Set {key} to false (FoRA trains the same without Liger's kernels, "
+        "only slower), or run on a CUDA GPU with `pip install liger-kernel`."
+    )

@@ -16,12 +16,24 @@ from .stiefel import CAYLEY_SOLVERS
 from .validation import check_choice, check_float, check_int
 
 
-__all__ = ["MODES", "MODE_PARTS", "PREFIX", "FoRAArguments", "FoRAConfig"]
+__all__ = [
+    "ADAPTER_DTYPES",
+    "INPUT_CASTS",
+    "MODES",
+    "MODE_PARTS",
+    "PREFIX",
+    "FoRAArguments",
+    "FoRAConfig",
+]
 
 
 MODES = ("fora", "fg-lora", "stiefel-lora", "lora")
 # mode -> (Fisher-selected layers, Stiefel lora_B): the paper's 2x2 ablation.
 MODE_PARTS = {"fora": (True, True), "fg-lora": (True, False), "stiefel-lora": (False, True), "lora": (False, False)}
+# How a LoRA layer's input meets its weights: "auto" skips PEFT's cast where autocast casts anyway, "peft" keeps it.
+INPUT_CASTS = ("auto", "peft")
+# The adapters' dtype: "auto" as the trainer makes them, "bfloat16" with fp32 masters in FoRA's optimizer.
+ADAPTER_DTYPES = ("auto", "bfloat16")
 
 
 @dataclass
@@ -132,12 +144,40 @@ class FoRAConfig:
         default=None,
         metadata={"help": "Seed of the random layer strategy and the Stiefel init; None = the training seed."},
     )
+    input_cast: str = field(
+        default="auto",
+        metadata={
+            "help": "'auto': in a forward under bf16/fp16 autocast, PEFT's cast of each LoRA layer's input to the "
+            "adapters' fp32 is skipped (the autocast casts both operands of the adapter's matmul anyway: the same "
+            "numbers, one copy of every LoRA input less in time and memory); without autocast PEFT casts as usual. "
+            "'peft': PEFT's cast always.",
+            "choices": INPUT_CASTS,
+        },
+    )
+    adapter_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "'auto': the adapters get the dtype the trainer gives them (PEFT's fp32 over a bf16/fp16 base; "
+            "the base's dtype under DeepSpeed ZeRO-3; bf16 on a 4-bit base). 'bfloat16': lora_A and lora_B are "
+            "bf16 in the forward and backward, and FoRA's optimizer keeps an fp32 master and fp32 moments of each "
+            "(not with mode 'lora', whose optimizer is the Trainer's).",
+            "choices": ADAPTER_DTYPES,
+        },
+    )
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
         check_choice("layer_strategy", self.layer_strategy, LAYER_STRATEGIES)
         check_choice("fisher_params", self.fisher_params, FISHER_PARAMS)
         check_choice("init_a", self.init_a, INIT_A)
+        check_choice("input_cast", self.input_cast, INPUT_CASTS)
+        check_choice("adapter_dtype", self.adapter_dtype, ADAPTER_DTYPES)
+        if self.adapter_dtype == "bfloat16" and self.mode == "lora":
+            raise FoRAInputError(
+                "adapter_dtype='bfloat16' contradicts mode='lora': that mode trains with the Trainer's own AdamW, "
+                "which would keep bf16 weights and moments without an fp32 master. Use mode 'fora', 'fg-lora' or "
+                "'stiefel-lora' (FoRA's optimizer keeps the masters), or adapter_dtype='auto'."
+            )
         self.layer_budget = parse_layer_budget(self.layer_budget)
         check_int("fisher_batches", self.fisher_batches, 1, "the paper uses 128")
         check_float("lr_stiefel", self.lr_stiefel, lambda x: x > 0, "a finite float > 0 (the paper uses 1e-3)")

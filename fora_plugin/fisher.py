@@ -289,7 +289,9 @@ class _LayerAccumulator:
                             replay = _tensors(module.forward(*saved_args, **saved_kwargs))
                     finally:
                         self._replaying = False
-                    reached = [(replay[i], g) for i, g in zip(positions, grads) if g is not None]
+                    # A copy of each output gradient: a kernel's backward may write its output gradient in place
+                    # (Liger's RMSNorm does), and the originals go on down the real backward.
+                    reached = [(replay[i], g.clone()) for i, g in zip(positions, grads) if g is not None]
                     weight_grads = torch.autograd.grad(
                         [r for r, _ in reached], list(copies.values()), [g for _, g in reached], allow_unused=True
                     )

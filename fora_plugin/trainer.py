@@ -35,6 +35,7 @@ from .compatibility import (
     check_init_lora_weights,
     check_layers_unset,
     check_learning_rate,
+    check_liger,
     check_optimizer,
 )
 from .config import FoRAConfig
@@ -52,6 +53,7 @@ from .wiring import (
     choose_layers,
     format_selection_table,
     readapt_lora,
+    set_input_cast,
 )
 from .zero import (
     STIEFEL_STATE_FILE,
@@ -201,7 +203,8 @@ def fora_optimizer(
     clipping, of lora_A alone, off).
     """
     args = trainer.args
-    build = build_fora_optimizer
+    # bf16 adapters step through fp32 masters; under DeepSpeed its fp32 partitions are lora_A's masters.
+    build = functools.partial(build_fora_optimizer, master_weights=fora.adapter_dtype == "bfloat16")
     if deepspeed_zero_stage(trainer) == 3 and fora.uses_stiefel:
         build = functools.partial(build_zero3_fora_optimizer, max_grad_norm=args.max_grad_norm)
     elif trainer.is_deepspeed_enabled and fora.uses_stiefel:
@@ -267,7 +270,7 @@ def prepare_fora_training(
     checkpoint: str | None,
     resume_checkpoint: Callable[[], str | None],
     fsdp2: bool,
-    autocast_adapter_dtype: bool = True,
+    autocast_adapter_dtype: bool | None = None,
     reentrant: bool | None = None,
 ) -> FoRATraining:
     """The steps FoRASFTTrainer and the Axolotl plugin both take once the trainer holds its LoRA-wrapped model and
@@ -275,7 +278,10 @@ def prepare_fora_training(
 
     1. the DeepSpeed checks and ZeRO-1/2 Stiefel callback (:func:`prepare_deepspeed`), the FSDP2 ones if ``fsdp2``;
     2. the layers: ``checkpoint``'s saved selection when resuming, else ``score()`` (the base model, adapters off);
-    3. the adapter moved onto those layers only, its ``lora_B`` made Stiefel (:func:`readapt_lora`);
+    3. the adapter moved onto those layers only, its ``lora_B`` made Stiefel (:func:`readapt_lora`), in the dtype
+       ``fora.adapter_dtype`` asks for (``autocast_adapter_dtype``: PEFT's, as the front end's trainer passed it;
+       None: as TRL does, False under ZeRO-3), and PEFT's input cast set by ``fora.input_cast``
+       (:func:`set_input_cast`);
     4. the backward made to stop at the lowest adapted layer (``reentrant``: see
        :func:`stop_backward_at_lowest_adapted_layer`);
     5. the callbacks that save the selection and watch for divergence, and the selection table printed.
@@ -288,7 +294,10 @@ def prepare_fora_training(
     seed = fora.seed if fora.seed is not None else trainer.args.seed
     model = trainer.model
     selection = choose_layers(model.get_base_model(), fora, seed=seed, checkpoint=checkpoint, score=score)
+    if autocast_adapter_dtype is None:
+        autocast_adapter_dtype = deepspeed_zero_stage(trainer) != 3
     readapt_lora(model, selection, fora, seed, autocast_adapter_dtype=autocast_adapter_dtype)
+    set_input_cast(model, fora.input_cast)
     # With activation checkpointing the backward would run through every layer (TRL's and Axolotl's embeddings
     # hook): it stops at the lowest adapted layer instead, now and at every train().
     backward_stop = stop_backward_at_lowest_adapted_layer(trainer, reentrant=reentrant)
@@ -378,7 +387,8 @@ class FoRASFTTrainer(SFTTrainer):
         fora_config: a :class:`FoRAConfig` (mode, layer budget, Fisher batches, Stiefel settings). Default:
             ``FoRAConfig()``, the paper's FoRA with K = L/2.
 
-    With ``mode="lora"`` the trainer is exactly SFTTrainer with the LoraConfig (the ablation's baseline).
+    With ``mode="lora"`` the trainer is exactly SFTTrainer with the LoraConfig (the ablation's baseline), its LoRA
+    layers' input cast set by ``input_cast`` as in the other modes (the same numbers).
     """
 
     def __init__(
@@ -409,10 +419,12 @@ class FoRASFTTrainer(SFTTrainer):
         self._fora_logs: FoRALogs | None = None
         if args is not None:
             check_learning_rate(args.learning_rate)
+            check_liger(args.use_liger_kernel, "use_liger_kernel", cpu=args.use_cpu)
             # Before SFTTrainer loads a model given by name (under ZeRO-3, inside zero.Init).
             join_deepspeed_process_group(args)
         if fora_config.mode == "lora":
             super().__init__(model, args, *pos, peft_config=peft_config, **kwargs)
+            set_input_cast(self.model, fora_config.input_cast)  # the same numbers: SFTTrainer's LoRA, one copy less
             return
         _check_lora_config(peft_config, fora_config)
         if args is not None:

@@ -8,20 +8,23 @@ from __future__ import annotations
 import json
 import logging
 import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel
+from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.tuners_utils import check_target_module_exists
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback
 from transformers.pytorch_utils import Conv1D
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .adapter import expert_blocks, make_stiefel, stiefel_num_experts, stiefel_parameters
-from .config import FoRAConfig
+from .config import INPUT_CASTS, FoRAConfig
 from .diagnostics import largest_drift, read_adapter_diagnostics
 from .errors import FoRAInputError, refuse
 from .fisher import FisherScores
@@ -30,7 +33,7 @@ from .plots import plot_fisher_scores
 from .selection import check_layer_indices, resolve_layer_budget, select_layers
 from .stiefel import orthogonality_error
 from .targets import find_decoder_layers, is_linear_like, layer_index, matches_target
-from .validation import ADAPTER_CONFIG, read_json
+from .validation import ADAPTER_CONFIG, check_choice, read_json
 from .zero import Zero3FoRAOptimizer, find_zero_client, gathered_trainable_parameters
 
 
@@ -48,6 +51,7 @@ __all__ = [
     "init_fora_adapters",
     "readapt_lora",
     "restrict_lora_config",
+    "set_input_cast",
     "write_selection",
 ]
 
@@ -261,7 +265,8 @@ def readapt_lora(
     The trainer (SFTTrainer, Axolotl's) wrapped every layer the LoraConfig targets. The adapter comes off (weights
     and wrappers) and goes back under the same name with the same LoraConfig object, restricted in place (a trainer
     may hold that object and save it), on the same PeftModel; the adapter weights get the dtype the trainer gave
-    them (bf16 on a k-bit base).
+    them (bf16 on a k-bit base). ``autocast_adapter_dtype`` is PEFT's (False: adapters in the base's dtype, as TRL
+    asks under ZeRO-3); ``fora.adapter_dtype="bfloat16"`` asks the same of PEFT and makes every ``lora_`` weight bf16.
     """
     config = active_lora_config(model)
     adapter = model.active_adapters[0]
@@ -271,12 +276,72 @@ def readapt_lora(
     model.unload()
     restrict_lora_config(config, base, selection)
     torch.manual_seed(seed)
-    model.add_adapter(adapter, config, autocast_adapter_dtype=autocast_adapter_dtype)
+    bf16 = fora.adapter_dtype == "bfloat16"
+    model.add_adapter(adapter, config, autocast_adapter_dtype=autocast_adapter_dtype and not bf16)
     model.set_adapter(adapter)
     for name, param in model.named_parameters():
-        if param.requires_grad and name in dtypes:
+        if not param.requires_grad:
+            continue
+        if bf16 and param.is_floating_point() and _is_lora_weight(name):
+            param.data = param.data.to(torch.bfloat16)
+        elif name in dtypes:
             param.data = param.data.to(dtypes[name])
     init_fora_adapters(model, selection, fora, seed)
+
+
+def _is_lora_weight(name: str) -> bool:
+    """A PEFT LoRA weight (``lora_A``, ``lora_B``, ``lora_embedding_*``, DoRA's ``lora_magnitude_vector``)."""
+    return any(part.startswith("lora_") for part in name.split("."))
+
+
+# model -> the handle of its input-cast pre-hook, so that setting it again replaces it.
+_INPUT_CAST_HOOKS: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = weakref.WeakKeyDictionary()
+
+
+class _InputCastUnderAutocast:
+    """A forward pre-hook on the transformers model under the PeftModel: each forward, the LoRA layers skip PEFT's
+    input cast exactly when it runs under autocast on its inputs' device (``cast_input_dtype_enabled``, PEFT's public
+    switch per layer).
+
+    Under autocast, ``F.linear`` casts both operands to the autocast dtype, so PEFT's fp32 copy of a bf16 input is
+    cast straight back: the adapter computes the same numbers from the input itself, and its gradient is the same.
+    Without autocast, a bf16 input meets fp32 adapter weights, and PEFT's cast is what makes the matmul possible. The
+    model, not each LoRA layer, carries the hook: it runs once per forward (PEFT's forward calls it, and so does
+    ``generate`` at every token), and a layer keeps the fast path of ``nn.Module.__call__``.
+    """
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.layers = layers
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        tensor = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+        cast = tensor is None or not torch.is_autocast_enabled(tensor.device.type)
+        for layer in self.layers:
+            layer.cast_input_dtype_enabled = cast
+
+
+def set_input_cast(model: nn.Module, input_cast: str) -> int:
+    """Apply ``FoRAConfig.input_cast`` to the LoRA layers ``model`` holds now; the number of layers that skip PEFT's
+    input cast under autocast (0 for ``"peft"``).
+
+    ``"auto"``: the plain LoRA linears (PEFT's ``lora.Linear`` without a variant such as DoRA) skip the cast in the
+    forwards that run under autocast (:class:`_InputCastUnderAutocast`); ``"peft"``: PEFT's cast everywhere. PEFT's
+    own 4-bit LoRA layers already skip it under autocast. Call it once the adapters are in place: a layer added later
+    keeps PEFT's cast. Setting it again replaces the earlier setting.
+    """
+    check_choice("input_cast", input_cast, INPUT_CASTS)
+    holder = model.get_base_model() if isinstance(model, PeftModel) else model
+    previous = _INPUT_CAST_HOOKS.pop(holder, None)
+    if previous is not None:
+        previous.remove()
+    lora_linears = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    for layer in lora_linears:
+        layer.cast_input_dtype_enabled = True
+    plain = [layer for layer in lora_linears if not layer.lora_variant]
+    if input_cast == "peft" or not plain:
+        return 0
+    _INPUT_CAST_HOOKS[holder] = holder.register_forward_pre_hook(_InputCastUnderAutocast(plain), with_kwargs=True)
+    return len(plain)
 
 
 def active_lora_config(model: PeftModel) -> LoraConfig:

@@ -89,8 +89,7 @@ def _run(kind: str, device: torch.device, cuda_graph: bool, sync_counter) -> dic
         else:
             opt.step()
         schedule.step()
-    stiefel = opt if isinstance(opt, CayleyAdam) else opt._delegates[True]
-    return {"params": params, "optimizer": opt, "syncs": syncs, "skipped": stiefel.skipped_steps()}
+    return {"params": params, "optimizer": opt, "syncs": syncs, "skipped": opt.skipped_steps()}
 
 
 def captured_against_eager(kind: str, device: torch.device, sync_counter=None) -> dict[str, Any]:

@@ -579,3 +579,73 @@ def test_user_input_axolotl_takes_unchecked_is_refused_by_name(workspace, settin
         validate(workspace, **settings)
     with pytest.raises(ValidationError, match=match):
         validate(workspace, **settings, fora_mode="lora")  # a mistake in any mode
+
+
+# --------------------------------------------------------------------------------------------------- the fast path
+class FastPathProbePlugin(BasePlugin):
+    """Listed after FoRA: what the last training forward left on the LoRA layers (PEFT's input cast) and the
+    adapters' dtypes, in ``fast_path.json``."""
+
+    def get_training_args(self, cfg):
+        return {"use_cpu": True}  # transformers refuses bf16 on a CPU without it
+
+    def post_train(self, cfg, model):
+        from peft.tuners.lora import Linear as LoraLinear
+
+        layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+        record = {
+            "cast_input_dtype_enabled": sorted({m.cast_input_dtype_enabled for m in layers}),
+            "lora_layers": len(layers),
+            "dtypes": sorted({str(p.dtype) for n, p in model.named_parameters() if "lora_" in n}),
+        }
+        (Path(cfg.output_dir) / "fast_path.json").write_text(json.dumps(record))
+
+
+def test_bf16_adapters_with_masters_and_the_input_cast_off_train_through_the_plugin(workspace):
+    config = fora_config(
+        workspace,
+        "fast",
+        plugins=[PLUGIN_NAME, f"{__name__}.FastPathProbePlugin"],
+        bf16=True,  # CPU autocast
+        fora_adapter_dtype="bfloat16",
+        fora_layers=[1, 3],
+    )
+    axolotl_train(workspace, config)
+    out = workspace / "fast"
+    record = json.loads((out / "fast_path.json").read_text())
+    assert record == {"cast_input_dtype_enabled": [False], "lora_layers": 10, "dtypes": ["torch.bfloat16"]}
+    saved = load_file(out / "adapter_model.safetensors")  # plain PEFT LoRA, in the adapters' bf16
+    assert adapted_layers(saved) == {1, 3} and {v.dtype for v in saved.values()} == {torch.bfloat16}
+    state = torch.load(out / "checkpoint-2" / "optimizer.pt", weights_only=True)["state"]
+    assert len(state) == len(saved) == 20
+    for entry in state.values():  # lora_A (AdamW) and lora_B (Cayley-Adam) alike
+        assert entry["master"].dtype == entry["exp_avg"].dtype == torch.float32
+    reloaded = AutoModelForCausalLM.from_pretrained(workspace / "model")
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(reloaded, out)
+    assert all(torch.equal(p.to(torch.bfloat16), saved[k]) for k, p in _lora_state(model).items())
+
+
+def _lora_state(model) -> dict[str, torch.Tensor]:
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model)
+
+
+def test_contradicting_adapter_dtypes_are_refused(workspace):
+    with pytest.raises(ValidationError, match=r"fora_adapter_dtype='bfloat16' contradicts peft_autocast_adapter"):
+        validate(workspace, fora_adapter_dtype="bfloat16", peft_autocast_adapter_dtype=True)
+    cfg = validate(workspace, fora_adapter_dtype="bfloat16", fora_input_cast="peft")
+    assert (fora_config_from(cfg).adapter_dtype, fora_config_from(cfg).input_cast) == ("bfloat16", "peft")
+
+
+def test_liger_stops_axolotl_train_in_one_line_before_loading_anything(workspace):
+    # No CUDA GPU here: Liger's plugin would stop later, after reading the model's config, with a traceback.
+    config = fora_config(
+        workspace, "liger", plugins=[PLUGIN_NAME, "axolotl.integrations.liger.LigerPlugin"], liger_rms_norm=True
+    )
+    output = axolotl_train(workspace, config, "--launcher", "python", check=False)
+    line = next(line for line in output.splitlines() if "cannot run here" in line)
+    assert line.startswith("liger_rms_norm=True cannot run here: ") and "Set liger_rms_norm to false" in line
+    assert "Traceback" not in output and not (workspace / "liger").exists()

@@ -161,6 +161,22 @@ def test_lora_grads_unchanged_and_nothing_below_the_lowest_adapted_layer_runs_ba
     assert_grads_equal(grads, expected)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_the_layers_below_run_without_checkpoints_and_get_them_back_when_the_stop_is_removed(tmp_path, reentrant):
+    # No backward reaches them, so a checkpoint would keep and recompute nothing (and, reentrant, would put a
+    # no-grad checkpoint into a compiled graph).
+    trainer = make(tmp_path, reentrant)
+    train_one_step(trainer)
+    _, layers = find_decoder_layers(trainer.model)
+    stop = trainer.fora_backward_stop
+    # (Layer 2 itself runs without its checkpoint where transformers < 5.23 runs its hooks inside it, reentrant.)
+    assert [layer.gradient_checkpointing for layer in layers] == [False, False, not stop._checkpoint_off, True]
+    # Reentrant: the hidden state entering layer 2 requires grad through a zero that does; its gradient is dropped.
+    assert (stop._anchor is not None) == reentrant and (stop._anchor is None or stop._anchor.grad is None)
+    stop.remove()
+    assert all(layer.gradient_checkpointing for layer in layers)
+
+
 def test_without_checkpointing_nothing_below_runs_backward_either(tmp_path):
     trainer = make(tmp_path, None)
     _, grads, counter = train_one_step(trainer)

@@ -20,6 +20,8 @@ def test_defaults_are_the_papers_settings():
     assert config.selects_layers and config.uses_stiefel
     # Cayley-Adam's moments as in the paper's code (what CayleyAdam used before they were configurable).
     assert (config.stiefel_beta1, config.stiefel_beta2, config.stiefel_eps) == (0.9, 0.99, 1e-8)
+    # The fast path that changes no number is on; the adapters' dtype stays what the trainer gives them.
+    assert (config.input_cast, config.adapter_dtype) == ("auto", "auto")
 
 
 @pytest.mark.parametrize(
@@ -71,6 +73,9 @@ def test_modes_are_the_2x2_ablation(mode, selects, stiefel):
         ),
         ({"mode": "lora", "layer_strategy": "first"}, r"layer_strategy='first' is invalid: mode='lora' adapts every"),
         ({"mode": "stiefel-lora", "scores_path": "x.json"}, r"scores_path='x\.json' is invalid: mode='stiefel-lora'"),
+        ({"input_cast": "off"}, r"input_cast='off' is invalid: use one of \('auto', 'peft'\)"),
+        ({"adapter_dtype": "float16"}, r"adapter_dtype='float16' is invalid: use one of \('auto', 'bfloat16'\)"),
+        ({"adapter_dtype": "bfloat16", "mode": "lora"}, r"adapter_dtype='bfloat16' contradicts mode='lora'"),
     ],
 )
 def test_bad_values_are_refused_by_name(kwargs, message):
@@ -100,11 +105,13 @@ def test_yaml_and_overrides_through_trls_parser(tmp_path):
         "fora_fisher_batches": 16,
         "fora_stiefel_beta2": 0.995,
         "fora_stiefel_eps": 1e-6,
+        "fora_adapter_dtype": "bfloat16",
     }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
     parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig, FoRAArguments))
-    *_, training, _, fora = parser.parse_args_and_config(["--config", str(path), "--fora_layers", "1", "3"])
+    overrides = ["--fora_layers", "1", "3", "--fora_input_cast", "peft"]
+    *_, training, _, fora = parser.parse_args_and_config(["--config", str(path), *overrides])
     fora_config = fora.to_fora_config()
     assert training.seed == 7  # SFTConfig keeps its own seed; FoRA's is fora_seed
     assert (fora_config.mode, fora_config.layer_budget, fora_config.fisher_batches, fora_config.layers) == (
@@ -114,6 +121,7 @@ def test_yaml_and_overrides_through_trls_parser(tmp_path):
         [1, 3],
     )
     assert (fora_config.stiefel_beta1, fora_config.stiefel_beta2, fora_config.stiefel_eps) == (0.9, 0.995, 1e-6)
+    assert (fora_config.input_cast, fora_config.adapter_dtype) == ("peft", "bfloat16")
     with pytest.raises(ValueError, match=r"lr_stiefel=nan is invalid"):
         parser.parse_args_and_config(["--config", str(path), "--fora_lr_stiefel", "nan"])[-1].to_fora_config()
     with pytest.raises(SystemExit):

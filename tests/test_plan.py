@@ -32,6 +32,7 @@ from fora_plugin.plan import (
     truncated_config,
 )
 from fora_plugin.plan import depth as depth_module
+from fora_plugin.wiring import set_input_cast
 
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
@@ -129,6 +130,7 @@ def _real_step_peak(checkpointing: bool) -> tuple[int, int]:
     )
     if add_fused_lm_head is not None:  # as SFTTrainer.__init__ does
         add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))
+    set_input_cast(model, "auto")  # as FoRASFTTrainer sets it (fora_input_cast's default)
     if checkpointing:
         model.gradient_checkpointing_enable()
         model.enable_input_require_grads()
@@ -165,6 +167,63 @@ def test_simulated_step_matches_a_real_run(tmp_path, checkpointing):
     assert step.total == pytest.approx(real_peak, rel=0.05)
     # The optimizer's few elementwise FLOPs are not in FlopCounterMode's formulas: forward + backward only.
     assert step.flops == pytest.approx(real_flops, rel=0.01)
+
+
+def _saved_by_a_forward(cast: str, layers: list[int] | None) -> int:
+    """Bytes a real bf16 forward (SFTTrainer's loss, bf16 autocast) leaves alive for its backward, LoRA on ``layers``
+    with PEFT's input cast as ``cast`` sets it."""
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, layers_to_transform=layers)
+    model = get_peft_model(LlamaForCausalLM(tiny_config()).to(torch.bfloat16), config)
+    if add_fused_lm_head is not None:
+        add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))
+    set_input_cast(model, cast)
+    model.train()
+    tracker = LiveTensorTracker()
+    for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values():
+        tracker.register(t)
+    with tracker:
+        loss = _sft_loss(model, torch.randint(3, VOCAB, (2, 32)))
+        saved = sum(tracker.live().values())
+    del loss
+    return saved
+
+
+def test_the_plan_counts_the_smaller_peak_without_peft_input_cast(tmp_path):
+    # bf16 weights, fp32 adapters, bf16 autocast, no checkpointing: PEFT's cast gives each LoRA layer its own copy of
+    # its input to keep for the backward (q, k and v share one input without it).
+    config = write_config(tmp_path, dtype="bfloat16", activation_checkpointing=False, fora_layers=[1, 3])
+    plans = {cast: run_plan(plan_setup(config, ["--fora_input_cast", cast]))["phases"] for cast in ("peft", "auto")}
+    for mode, layers in (("fora", [1, 3]), ("fg-lora", [1, 3]), ("lora", None)):
+        peft, auto = plans["peft"][mode]["step"], plans["auto"][mode]["step"]
+        real = _saved_by_a_forward("peft", layers) - _saved_by_a_forward("auto", layers)
+        assert real > 0
+        assert kinds_of(peft)["activations"] - kinds_of(auto)["activations"] == real, mode
+        assert peft.total - auto.total == real, mode
+
+
+def test_bf16_adapters_are_planned_with_their_fp32_masters(tmp_path):
+    config = write_config(tmp_path, dtype="bfloat16", activation_checkpointing=False, fora_layers=[1, 3])
+    for adapter_dtype, param_bytes, state_bytes in (("auto", 4, 8), ("bfloat16", 2, 12)):
+        phases = run_plan(plan_setup(config, ["--fora_adapter_dtype", adapter_dtype]), modes=("fg-lora",))["phases"]
+        step = phases["fg-lora"]["step"]
+        matrices = 2 * 2 * len(TARGETS)  # lora_A and lora_B of 5 targets on 2 layers
+        assert step.peak["lora_params"] == param_bytes * step.trainable
+        # AdamW's two moments, plus an fp32 master for a bf16 weight, and a step count per matrix (fp32).
+        assert step.peak["optimizer_states"] == state_bytes * step.trainable + 4 * matrices
+
+
+def test_the_plan_says_it_does_not_model_liger_or_compile(tmp_path):
+    config = write_config(tmp_path, use_liger_kernel=True, torch_compile=True)
+    notes = plan_setup(config, []).notes
+    assert any(n.startswith("use_liger_kernel: Liger's kernels are not modelled") for n in notes), notes
+    assert any(n.startswith("torch_compile: not modelled: the plan runs the eager step") for n in notes), notes
+    assert not any("Liger" in n or "torch_compile" in n for n in plan_setup(write_config(tmp_path), []).notes)
+    axolotl = tmp_path / "axolotl.yaml"
+    tiny = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    keys = {"base_model": tiny["model_name_or_path"], "sequence_len": 32, "micro_batch_size": 2, "lora_r": 4}
+    axolotl.write_text(yaml.safe_dump({**keys, "lora_target_modules": TARGETS, "liger_rms_norm": True}))
+    assert any(n.startswith("liger_rms_norm: Liger's kernels") for n in plan_setup(str(axolotl), []).notes)
 
 
 def test_plan_command_writes_json_and_png_and_names_the_fix(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """FoRA as an Axolotl plugin: ``plugins: [fora_plugin.axolotl.FoRAPlugin]`` plus ``fora_*`` keys.
 
-May import: axolotl.args, config, errors, models, trainer, wiring.
+May import: axolotl.args, compatibility, config, errors, models, trainer, wiring.
 """
 
 import functools
@@ -8,17 +8,19 @@ import logging
 from importlib.metadata import entry_points
 
 from axolotl.integrations.base import PLUGIN_ENTRY_POINT_GROUP, BasePlugin
+from axolotl.integrations.liger.plugin import LIGER_FLAGS
 from axolotl.utils.dict import DictDefault
 from axolotl.utils.logging import get_logger
 from axolotl.utils.train import determine_last_checkpoint
 from peft import PeftModel
 from transformers import Trainer
 
+from ..compatibility import check_liger
 from ..config import PREFIX, FoRAConfig
-from ..errors import FoRAInputTypeError
+from ..errors import FoRAInputError, FoRAInputTypeError
 from ..models import resolve_model_path
 from ..trainer import check_checkpoint_files, fora_optimizer, prepare_fora_training, score_on_trainer
-from ..wiring import FoRALogs, active_lora_config
+from ..wiring import FoRALogs, active_lora_config, set_input_cast
 from .args import LORA_KERNELS, PLUGIN_NAME, FoRAArgs, fora_config_from, fora_enabled
 
 
@@ -74,6 +76,14 @@ class FoRAPlugin(BasePlugin):
         for key in ("base_model", "base_model_config", "tokenizer_config"):
             if isinstance(cfg.get(key), str):
                 cfg[key] = resolve_model_path(cfg[key])
+        for flag in LIGER_FLAGS:
+            try:
+                check_liger(cfg.get(flag), flag)
+            except FoRAInputError as error:
+                # Before anything loads, and in one line: Liger's plugin would import its kernels after the model's
+                # config is read and stop with a traceback, as would FoRA's config check (Axolotl prints a traceback
+                # for every config it refuses).
+                raise SystemExit(str(error)) from None
         if cfg.get(f"{PREFIX}mode") != "lora":
             for kernel in LORA_KERNELS:
                 if cfg.get(kernel) is None:  # else Axolotl turns them on, and they drop the base-weight gradients
@@ -83,9 +93,11 @@ class FoRAPlugin(BasePlugin):
         if not fora_enabled(cfg):
             return
         fora = fora_config_from(cfg)
-        if fora.mode == "lora":
-            return
         model = trainer.model
+        if fora.mode == "lora":
+            if isinstance(model, PeftModel):
+                set_input_cast(model, fora.input_cast)  # Axolotl's LoRA, the same numbers with one copy less
+            return
         if not isinstance(model, PeftModel):
             raise FoRAInputTypeError(
                 f"FoRA expected Axolotl's trainer to hold the LoRA PeftModel (adapter: lora), but it holds a "

@@ -113,6 +113,11 @@ def _check_axolotl_settings(cfg: dict[str, Any], fora: FoRAConfig) -> None:
             "kernels compute no gradient for the base weights, which FoRA's Fisher score sums. Set them to false "
             "(the plugin turns them off when they are unset)."
         )
+    if fora.adapter_dtype == "bfloat16" and cfg.get("peft_autocast_adapter_dtype"):
+        raise FoRAInputError(
+            f"{PREFIX}adapter_dtype='bfloat16' contradicts peft_autocast_adapter_dtype=True, which keeps the adapters "
+            f"in fp32: drop peft_autocast_adapter_dtype, or set {PREFIX}adapter_dtype: auto."
+        )
     check_layers_unset(
         {key: cfg.get(key) for key in ("peft_layers_to_transform", "peft_layers_pattern")},
         "remove it, and use fora_layers: [...] for a fixed set.",

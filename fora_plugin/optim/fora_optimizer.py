@@ -2,7 +2,8 @@
 groups (the Stiefel ``lora_B``) over one ``param_groups``, built from a PEFT model.
 
 HF's LR scheduler and gradient clipping act on all groups at once, which two separate optimizers would not give; the
-schedulers that would break the ratio of the two learning rates are refused by name.
+schedulers that would break the ratio of the two learning rates are refused by name. bf16 adapters step through fp32
+masters (:class:`MasterAdamW`, and Cayley-Adam's own).
 
 May import: adapter, errors, optim.cayley_adam.
 """
@@ -15,18 +16,29 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim import AdamW, Optimizer
+from torch.optim.adam import adam
 
 from ..adapter import stiefel_num_experts, stiefel_parameters
-from ..errors import FoRAInputError
-from .cayley_adam import REPROJECT_THRESHOLD, CayleyAdam, counter_total, restore_compute_state
+from ..errors import FoRAInputError, FoRAInputTypeError
+from .cayley_adam import (
+    REPROJECT_THRESHOLD,
+    CayleyAdam,
+    compute_dtype,
+    counter_total,
+    local_rows,
+    restore_compute_state,
+)
 
 
 __all__ = [
+    "MASTER_STATE_KEYS",
     "UNSUPPORTED_LR_SCHEDULERS",
     "FoRAOptimizer",
+    "MasterAdamW",
     "build_fora_optimizer",
     "check_lr_scheduler_type",
     "fora_optimizer_parts",
+    "restore_master_state",
     "wrapped_optimizers",
 ]
 
@@ -52,15 +64,184 @@ def check_lr_scheduler_type(name: Any) -> None:
         )
 
 
+# AdamW state kept in the compute dtype (fp32, fp64 for fp64) for a parameter with a master, whatever its own dtype.
+MASTER_STATE_KEYS = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+class MasterAdamW(AdamW):
+    """``torch.optim.AdamW`` for bf16/fp16 parameters: each steps through an fp32 master kept in its state.
+
+    A low-precision parameter ``p`` keeps ``state[p]["master"]`` (fp32, its own storage) beside AdamW's moments, fp32
+    too. Its step is torch's AdamW (the functional ``torch.optim.adam.adam`` with the group's ``foreach``, ``fused``,
+    ``capturable`` and ``amsgrad`` flags, decoupled weight decay) on the master with the gradient in fp32; ``p`` then
+    holds the master rounded. This is the precision of an fp32 parameter: the same update, where torch's AdamW on a
+    bf16 parameter would keep bf16 moments and round every update into bf16 weights. fp32 and fp64 parameters step on
+    themselves, as in torch's AdamW.
+
+    The masters are optimizer state: ``state_dict`` carries them (so do accelerate's ``save_state`` and HF's
+    checkpoints), and ``load_state_dict`` puts them and the moments back in fp32 (torch's casts state to the
+    parameter's dtype). A parameter changed outside the step (a resumed checkpoint's weights, an edit) is found by its
+    version counter: where it no longer equals its master rounded, the master takes its value; where it does, the
+    master keeps its extra bits.
+    """
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        restore_master_state(self, state_dict)
+        self.forget_writes()
+
+    def forget_writes(self) -> None:
+        """Forget what the step last wrote into each parameter: the next step reconciles each with its master."""
+        _last_writes(self).clear()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        written = _last_writes(self)
+        for group in self.param_groups:
+            params, targets, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise FoRAInputTypeError("MasterAdamW does not support sparse gradients.")
+                state = self.state[p]
+                if not state:
+                    _init_master_state(state, p, group)
+                else:
+                    _follow_parameter(state, p, written.get(p))
+                target = state.get("master", p)
+                params.append(p)
+                targets.append(target)
+                grads.append(p.grad if p.grad.dtype == target.dtype else p.grad.to(target.dtype))
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                if group["amsgrad"]:
+                    max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+                steps.append(state["step"])
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            adam(
+                targets,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                max_exp_avg_sqs,
+                steps,
+                foreach=group["foreach"],
+                capturable=group["capturable"],
+                differentiable=group["differentiable"],
+                fused=group["fused"],
+                grad_scale=getattr(self, "grad_scale", None),
+                found_inf=getattr(self, "found_inf", None),
+                has_complex=False,
+                decoupled_weight_decay=True,
+                amsgrad=group["amsgrad"],
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+            )
+            rounded = [(local_rows(p), local_rows(t)) for p, t in zip(params, targets) if t is not p]
+            if rounded:
+                torch._foreach_copy_([p for p, _ in rounded], [t for _, t in rounded])  # the master rounded
+            for p in params:
+                written[p] = _signature(p)
+        return loss
+
+
+def _init_master_state(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> None:
+    """AdamW's state for ``p`` as torch's AdamW makes it, on an fp32 master (its own storage) for a bf16/fp16 ``p``."""
+    dtype = compute_dtype(p)
+    target = p if p.dtype == dtype else p.detach().to(dtype)
+    if target is not p:
+        state["master"] = target
+    # torch keeps the step count on the host unless the step is fused or capturable.
+    on_device = group["fused"] or group["capturable"]
+    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+    state["exp_avg"] = torch.zeros_like(target, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(target, memory_format=torch.preserve_format)
+    if group["amsgrad"]:
+        state["max_exp_avg_sq"] = torch.zeros_like(target, memory_format=torch.preserve_format)
+
+
+def _last_writes(optimizer: Optimizer) -> dict[torch.Tensor, tuple]:
+    """``p -> _signature(p)`` as the step last left each parameter (kept on the optimizer, out of its state_dict)."""
+    return optimizer.__dict__.setdefault("_fora_master_written", {})
+
+
+def _signature(p: torch.Tensor) -> tuple:
+    """What the step last left in ``p``: version counter (bumped by every in-place write), storage, dtype, device."""
+    if torch.compiler.is_compiling():  # dynamo reads a version counter only as data: follow casts and moves alone
+        return None, None, p.dtype, p.device
+    local = local_rows(p)
+    return local._version, local.untyped_storage()._cdata, p.dtype, p.device
+
+
+def _follow_parameter(state: dict[str, Any], p: torch.Tensor, last: tuple | None) -> None:
+    """Bring ``p``'s state in line with ``p`` where something outside the step changed it since the step last wrote
+    it (``last``: its :func:`_signature` then; None after ``load_state_dict``): moved, the state moves with it; cast
+    down from the compute dtype, a master is made from its values; cast up, it becomes its own point; written in
+    place, the master takes its new values where it no longer equals the master rounded."""
+    if last == _signature(p):
+        return
+    device, dtype = p.device, compute_dtype(p)
+    for key in MASTER_STATE_KEYS:
+        if key in state and (state[key].device != device or state[key].dtype != dtype):
+            state[key] = state[key].to(device=device, dtype=dtype)
+    if state["step"].device.type != "cpu":
+        state["step"] = state["step"].to(device)
+    master = state.get("master")
+    if master is None:
+        if p.dtype != dtype:
+            state["master"] = p.detach().to(dtype)
+        return
+    local = local_rows(p)
+    stored = local_rows(master).to(p.dtype if last is None else last[2]).to(p.dtype)
+    point = torch.where(local == stored, local_rows(master), local.to(dtype))
+    if p.dtype == dtype:
+        local.copy_(point)
+        del state["master"]
+    else:
+        local_rows(master).copy_(point)
+
+
+def restore_master_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """After ``Optimizer.load_state_dict(state_dict)``: put the saved masters and moments of every group with
+    ``"master_weights": True`` back in their compute dtype (torch's loader casts them to the bf16 parameter's)."""
+    for saved_group, group in zip(state_dict["param_groups"], optimizer.param_groups):
+        if not group.get("master_weights"):
+            continue
+        for saved_id, p in zip(saved_group["params"], group["params"]):
+            saved = state_dict["state"].get(saved_id)
+            state = optimizer.state.get(p)  # never an empty entry: FSDP2 swaps the parameters after a load
+            if not saved or state is None:
+                continue
+            for key in MASTER_STATE_KEYS:
+                if key in saved:
+                    # A copy: the loaded state must not share storage with the state_dict it came from.
+                    state[key] = saved[key].to(dtype=compute_dtype(p), device=p.device, copy=True)
+            if "step" in state:  # torch's loader hands a host step count over as it was saved
+                state["step"] = state["step"].clone()
+
+
 class FoRAOptimizer(Optimizer):
     """One optimizer over AdamW groups and Cayley-Adam groups (a group with ``"stiefel": True``).
 
-    The Euclidean groups are stepped by ``torch.optim.AdamW`` itself and the Stiefel groups by :class:`CayleyAdam`;
-    both share this object's ``param_groups`` dicts and ``state``, so LR schedulers, checkpointing and
-    ``accelerate`` see one ordinary optimizer. Build it with :func:`build_fora_optimizer`.
+    The Euclidean groups are stepped by ``torch.optim.AdamW`` itself, or by :class:`MasterAdamW` where the group has
+    ``"master_weights": True`` (bf16 adapters with fp32 masters), and the Stiefel groups by :class:`CayleyAdam`; all
+    share this object's ``param_groups`` dicts and ``state``, so LR schedulers, checkpointing and ``accelerate`` see
+    one ordinary optimizer. Build it with :func:`build_fora_optimizer`.
 
     Args:
-        params: param-group dicts; ``"stiefel": True`` marks a Stiefel group.
+        params: param-group dicts; ``"stiefel": True`` marks a Stiefel group, ``"master_weights": True`` an AdamW
+            group whose bf16/fp16 parameters keep fp32 masters.
         adamw_defaults: keyword arguments of ``torch.optim.AdamW`` for the Euclidean groups.
         stiefel_defaults: keyword arguments of :class:`CayleyAdam` for the Stiefel groups.
     """
@@ -71,37 +252,44 @@ class FoRAOptimizer(Optimizer):
         adamw_defaults: dict[str, Any] | None = None,
         stiefel_defaults: dict[str, Any] | None = None,
     ) -> None:
-        self._delegate_defaults = {False: dict(adamw_defaults or {}), True: dict(stiefel_defaults or {})}
-        self._delegates: dict[bool, Optimizer] = {}
+        adamw = dict(adamw_defaults or {})
+        self._delegate_defaults = {"adamw": adamw, "master": adamw, "stiefel": dict(stiefel_defaults or {})}
+        self._delegates: dict[str, Optimizer] = {}
         # The AdamW rate is "the" learning rate: HF's polynomial and min-lr schedulers and accelerate's DeepSpeed
         # scheduler read defaults["lr"] and scale every group by one factor relative to it, which keeps the
         # Stiefel group's lr_stiefel / lr ratio. Only lr: the other keys would leak into the Stiefel groups.
-        super().__init__(params, defaults={"lr": self._delegate_defaults[False].get("lr", _ADAMW_DEFAULT_LR)})
+        super().__init__(params, defaults={"lr": adamw.get("lr", _ADAMW_DEFAULT_LR)})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         # The delegate fills in its defaults and validates; the same dict then joins this optimizer's groups.
-        stiefel = bool(param_group.get("stiefel", False))
-        param_group["stiefel"] = stiefel
-        delegate = self._delegates.get(stiefel)
+        param_group["stiefel"] = bool(param_group.get("stiefel", False))
+        kind = _delegate_kind(param_group)
+        delegate = self._delegates.get(kind)
         if delegate is None:
-            delegate_cls = CayleyAdam if stiefel else AdamW
-            self._delegates[stiefel] = delegate_cls([param_group], **self._delegate_defaults[stiefel])
+            self._delegates[kind] = _DELEGATES[kind]([param_group], **self._delegate_defaults[kind])
         else:
             delegate.add_param_group(param_group)
         super().add_param_group(param_group)
 
     def _sync_delegates(self) -> None:
         # load_state_dict() rebinds self.state and self.param_groups: point the delegates at the current objects.
-        for stiefel, delegate in self._delegates.items():
-            delegate.param_groups = [g for g in self.param_groups if g["stiefel"] == stiefel]
+        for kind, delegate in self._delegates.items():
+            delegate.param_groups = [g for g in self.param_groups if _delegate_kind(g) == kind]
             delegate.state = self.state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # The groups come back as saved; whether they keep masters stays this run's choice (a checkpoint of fp32
+        # adapters resumed with bf16 ones gets its masters made from the weights at the first step).
+        masters = [g.get("master_weights", False) for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, master in zip(self.param_groups, masters):
+            group["master_weights"] = master
         restore_compute_state(self, state_dict)
+        restore_master_state(self, state_dict)
         self._sync_delegates()
-        if True in self._delegates:
-            self._delegates[True].forget_writes()  # as CayleyAdam.load_state_dict
+        for kind in ("stiefel", "master"):  # as their own load_state_dict does
+            if kind in self._delegates:
+                self._delegates[kind].forget_writes()
 
     def step(self, closure=None):
         loss = None
@@ -124,6 +312,16 @@ class FoRAOptimizer(Optimizer):
     def reprojections(self) -> int:
         """Stiefel matrices re-projected for drifting from the manifold so far (one host sync)."""
         return counter_total(self, "reprojections")
+
+
+def _delegate_kind(group: dict[str, Any]) -> str:
+    """Which optimizer steps ``group``: ``"stiefel"`` (Cayley-Adam), ``"master"`` (MasterAdamW) or ``"adamw"``."""
+    if group["stiefel"]:
+        return "stiefel"
+    return "master" if group.get("master_weights") else "adamw"
+
+
+_DELEGATES: dict[str, type[Optimizer]] = {"adamw": AdamW, "master": MasterAdamW, "stiefel": CayleyAdam}
 
 
 # Weight decay skips biases and normalisation weights, as transformers.Trainer.get_decay_parameter_names does.
@@ -153,6 +351,7 @@ def fora_optimizer_parts(
     cuda_graph: bool | None = None,
     stiefel_params: Collection[torch.Tensor] | None = None,
     decay_parameter_names: Collection[str] | None = None,
+    master_weights: bool = False,
     **adamw_kwargs: Any,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """The param groups of FoRA's optimizer for ``model``, with the AdamW and the Cayley-Adam defaults.
@@ -163,7 +362,9 @@ def fora_optimizer_parts(
     :func:`fora_plugin.stiefel_num_experts`). Empty groups are left out; HF logs the first group's lr. Stiefel
     parameters are ``stiefel_params`` if given, else every ``lora_B`` made Stiefel by
     :func:`fora_plugin.make_stiefel`. ``decay_parameter_names`` defaults to HF Trainer's rule; a trainer passes
-    its own ``get_decay_parameter_names(model)``. Extra keyword arguments go to AdamW (e.g. ``foreach``, ``fused``).
+    its own ``get_decay_parameter_names(model)``. ``master_weights``: the AdamW groups step their bf16/fp16
+    parameters through fp32 masters (:class:`MasterAdamW`; Cayley-Adam always does). Extra keyword arguments go to
+    AdamW (e.g. ``foreach``, ``fused``).
     """
     if stiefel_params is None:
         stiefel_params = [p for _, p in stiefel_parameters(model)]
@@ -187,10 +388,11 @@ def fora_optimizer_parts(
         if id(p) not in stiefel_ids:
             (decay if name in decay_names else no_decay).append(p)
     groups: list[dict[str, Any]] = []
+    masters = {"master_weights": True} if master_weights else {}
     if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay})
+        groups.append({"params": decay, "weight_decay": weight_decay, **masters})
     if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups.append({"params": no_decay, "weight_decay": 0.0, **masters})
     # One Stiefel group per number of expert blocks E: a fused-MoE lora_B (d_out, r·E) is E Stiefel matrices.
     experts = stiefel_num_experts(model)
     stiefel_by_experts: dict[int, list[torch.Tensor]] = {}

@@ -27,7 +27,7 @@ from ..fisher import mark_quantized
 from ..models import meta_model
 from ..targets import find_decoder_layers
 from ..trainer import checkpoint_as_in_training
-from ..wiring import choose_layers
+from ..wiring import choose_layers, set_input_cast
 from .setup import PlanSetup, planned_layers
 
 
@@ -195,7 +195,7 @@ def prepare_fake_model(
 
     ``stop_backward``: FoRA's training step, whose backward stops at the lowest adapted layer
     (:mod:`fora_plugin.backward`), where scoring and plain LoRA keep SFTTrainer's embeddings hook and run the
-    backward through every layer.
+    backward through every layer. PEFT's input cast is set by ``fora_input_cast``, as the trainer sets it.
     """
     _fakeify(model, fake_mode, device)
     linears = four_bit_linears(model) if setup.four_bit is not None else []
@@ -210,6 +210,7 @@ def prepare_fake_model(
         model.enable_input_require_grads()
     if stop_backward:
         stop_backward_at_lowest_adapted_layer(view, verbose=False)
+    set_input_cast(model, setup.fora.input_cast)  # as the trainer sets it, in every mode
     model.train()
     return linears
 

@@ -92,6 +92,7 @@ _AXOLOTL_KEYS = {
     "lora_target_modules": "lora_target_modules",
     "lora_target_parameters": "lora_target_parameters",
     "load_in_4bit": "load_in_4bit",
+    "torch_compile": "torch_compile",
     "deepspeed": "deepspeed",
     "output_dir": "output_dir",
     "seed": "seed",
@@ -220,8 +221,10 @@ def plan_setup(
 ) -> PlanSetup:
     """Read a `fora train` config (or an Axolotl one) the way `fora train` does, and what a plan needs from it."""
     data = load_yaml_config(config)
-    notes = []
+    notes, liger = [], []
     if "base_model" in data:
+        # Axolotl's Liger plugin keys: liger_rms_norm, liger_glu_activation, liger_rope, ...
+        liger = sorted(key for key, value in data.items() if key.startswith("liger_") and value)
         data = _axolotl_as_trl(data)
         notes.append("Axolotl config: read through its TRL equivalents (model, shapes, precision, LoRA, fora_*).")
     # FSDP is checked here with the planned number of GPUs; TrainingArguments would refuse it in one process.
@@ -296,6 +299,18 @@ def plan_setup(
         "activation_checkpointing" if hasattr(training_args, "activation_checkpointing") else "gradient_checkpointing"
     )
     checkpointing = bool(getattr(training_args, name))
+    if training_args.use_liger_kernel:
+        liger.append("use_liger_kernel")
+    if liger:
+        notes.append(
+            f"{', '.join(liger)}: Liger's kernels are not modelled: the plan runs transformers' own RMSNorm, SwiGLU "
+            "and RoPE, whose intermediate tensors Liger's fused kernels do not all keep (not measured here)"
+        )
+    if training_args.torch_compile:
+        notes.append(
+            "torch_compile: not modelled: the plan runs the eager step (compiled kernels fuse elementwise ops and may "
+            "hold fewer intermediate tensors; not measured here)"
+        )
     return PlanSetup(
         config=config,
         model_ref=model_args.model_name_or_path,
