@@ -3,7 +3,7 @@ and the optimizer :class:`CayleyAdam`, which keeps the state beside each paramet
 Stiefel geometry only (PEFT's ``optimizers`` could take it as is); its checks raise ``ValueError``/``TypeError``, as
 torch's optimizers do.
 
-May import: adapter, optim.dtensor, stiefel.
+May import: adapter, optim.dtensor, optim.masters, stiefel.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from ..stiefel import (
     skew_generator,
 )
 from .dtensor import all_reduce_sum, is_dtensor, local_gradient, local_rows, reduce_groups
+from .masters import compute_dtype, follow_parameter, signature
+from .masters import restore_compute_state as restore_state
 
 
 __all__ = [
@@ -37,7 +39,6 @@ __all__ = [
     "bucket_key",
     "cayley_adam",
     "check_cayley_adam_settings",
-    "compute_dtype",
     "counter_total",
     "init_cayley_adam_state",
     "resolve_cuda_graph",
@@ -73,12 +74,6 @@ def resolve_implementation(implementation: str | None, device: torch.device) -> 
     if implementation is not None:  # checked where it is given: CayleyAdam's groups, cayley_adam()'s argument
         return implementation
     return "per_matrix" if device.type == "cpu" else "staged"
-
-
-def compute_dtype(p: torch.Tensor) -> torch.dtype:
-    """The dtype Cayley-Adam computes and keeps the state of ``p`` in: fp64 for an fp64 ``p``, else fp32."""
-    # fp32 at least: in bf16/fp16 the Gram matrices and the 2r x 2r solve lose orthogonality within a few steps.
-    return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
 def bucket_key(p: torch.Tensor) -> tuple:
@@ -272,7 +267,7 @@ class CayleyAdam(Optimizer):
             stiefel=True,
             steps=0,
         )
-        # Kept on the optimizer, out of its state_dict: p -> what the step last left in p (_signature), the step's
+        # Kept on the optimizer, out of its state_dict: p -> what the step last left in p (signature), the step's
         # small constant tensors, and each group's captured step.
         self._written: dict[torch.Tensor, tuple] = {}
         self._constants: dict[tuple, Any] = {}
@@ -338,23 +333,9 @@ def counter_total(optimizer: Optimizer, key: str) -> int:
 
 def restore_compute_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
     """After ``Optimizer.load_state_dict(state_dict)``: put the saved Cayley-Adam state of every Stiefel group (a
-    group with ``"stiefel": True``) back in its compute dtype, on the parameter's device."""
-    # Optimizer.load_state_dict casts floating state to the parameter's dtype; a bf16 lora_B would get its fp32
-    # master and moments rounded to bf16 and stop being orthonormal. Put the saved values back as they were.
-    saved_groups = state_dict["param_groups"]
-    for saved_group, group in zip(saved_groups, optimizer.param_groups):
-        if not group.get("stiefel"):
-            continue
-        for saved_id, p in zip(saved_group["params"], group["params"]):
-            saved_state = state_dict["state"].get(saved_id, {})
-            for key in _COMPUTE_STATE_KEYS:
-                if key in saved_state:
-                    # A copy: the loaded state must not share storage with the state_dict it came from (another
-                    # optimizer's live state, when one loads another's state_dict).
-                    optimizer.state[p][key] = saved_state[key].to(dtype=compute_dtype(p), device=p.device, copy=True)
-            for key in _COUNTER_KEYS:
-                if key in saved_state:
-                    optimizer.state[p][key] = saved_state[key].to(device=p.device, copy=True)
+    group with ``"stiefel": True``) back in its compute dtype, on the parameter's device: torch's loader would round
+    a bf16 lora_B's fp32 master and moments to bf16, and it would stop being orthonormal."""
+    restore_state(optimizer, state_dict, lambda g: g.get("stiefel"), _COMPUTE_STATE_KEYS, device_keys=_COUNTER_KEYS)
 
 
 def init_cayley_adam_state(state: dict[str, Any], p: torch.Tensor, num_experts: int = 1) -> None:
@@ -404,52 +385,6 @@ def stiefel_step_with_gradients(
 
 
 # ------------------------------------------------------------------------------------------------------ the state
-def _signature(p: torch.Tensor) -> tuple:
-    """What the step last left in ``p``: its version counter (bumped by every in-place write), its storage, dtype
-    and device. Host-side metadata only: reading it syncs nothing."""
-    if torch.compiler.is_compiling():
-        # Dynamo reads a version counter only as data (a graph break): a compiled step follows casts and moves of
-        # its parameters, not in-place writes.
-        return None, None, p.dtype, p.device
-    local = local_rows(p)
-    return local._version, local.untyped_storage()._cdata, p.dtype, p.device
-
-
-def _follow_parameter(state: dict[str, Any], p: torch.Tensor, last: tuple | None) -> bool:
-    """Bring ``p``'s state in line with ``p`` where something outside the step changed ``p`` since the step last
-    wrote it (``last``, its :func:`_signature` then; None if unknown, e.g. after ``load_state_dict``). Returns
-    whether anything was to be done (a captured step must then be captured again).
-
-    - Moved (``.to(device)``): the state moves with it.
-    - Cast (``.to(dtype)``): the state takes ``p``'s compute dtype; a ``p`` cast down from fp32 gets a master made
-      from its values, one cast up to fp32 becomes its own point (the master's value where ``p`` still holds it).
-    - Written in place (``load_state_dict``, a user's edit): the fp32 master takes ``p``'s new values. Where ``p``
-      still equals the master rounded, the master's extra bits are kept, so a spurious refresh changes nothing.
-    """
-    if last == _signature(p):
-        return False
-    device, dtype = p.device, compute_dtype(p)
-    for key, value in list(state.items()):
-        if isinstance(value, torch.Tensor):
-            target = dtype if key in _COMPUTE_STATE_KEYS else value.dtype
-            if value.device != device or value.dtype != target:
-                state[key] = value.to(device=device, dtype=target)
-    master = state.get("master")
-    local = local_rows(p)
-    if master is not None:
-        # The master rounded as the step last stored it in p (p's dtype then), in p's dtype now.
-        stored = local_rows(master).to(p.dtype if last is None else last[2]).to(p.dtype)
-        point = torch.where(local == stored, local_rows(master), local.to(dtype))
-        if p.dtype == dtype:  # cast up to the compute dtype: p is its own point again
-            local.copy_(point)
-            del state["master"]
-        else:
-            local_rows(master).copy_(point)
-    elif p.dtype != dtype:  # cast down from the compute dtype: the master starts from the values p holds now
-        state["master"] = p.detach().to(dtype)
-    return True
-
-
 def _group_step(
     optimizer: CayleyAdam,
     group: dict[str, Any],
@@ -473,7 +408,7 @@ def _group_step(
             init_cayley_adam_state(state[p], p, num_experts)
             changed = True
         else:
-            changed |= _follow_parameter(state[p], p, written.get(p))
+            changed |= follow_parameter(state[p], p, written.get(p), _COMPUTE_STATE_KEYS)
         params.append(p)
         param_grads.append(grad)
     if not params:
@@ -485,7 +420,7 @@ def _group_step(
     else:
         _step_eagerly(optimizer, group, params, param_grads, reproject_all)
     for p in params:
-        written[p] = _signature(p)
+        written[p] = signature(p)
 
 
 def _step_arguments(optimizer: CayleyAdam, group: dict[str, Any], params: list[torch.Tensor]) -> tuple:

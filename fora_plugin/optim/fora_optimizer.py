@@ -5,7 +5,7 @@ HF's LR scheduler and gradient clipping act on all groups at once, which two sep
 schedulers that would break the ratio of the two learning rates are refused by name. bf16 adapters step through fp32
 masters (:class:`MasterAdamW`, and Cayley-Adam's own).
 
-May import: adapter, errors, optim.cayley_adam.
+May import: adapter, errors, optim.cayley_adam, optim.dtensor, optim.masters.
 """
 
 from __future__ import annotations
@@ -20,14 +20,10 @@ from torch.optim.adam import adam
 
 from ..adapter import stiefel_num_experts, stiefel_parameters
 from ..errors import FoRAInputError, FoRAInputTypeError
-from .cayley_adam import (
-    REPROJECT_THRESHOLD,
-    CayleyAdam,
-    compute_dtype,
-    counter_total,
-    local_rows,
-    restore_compute_state,
-)
+from .cayley_adam import REPROJECT_THRESHOLD, CayleyAdam, counter_total, restore_compute_state
+from .dtensor import local_rows
+from .masters import compute_dtype, follow_parameter, signature
+from .masters import restore_compute_state as restore_state
 
 
 __all__ = [
@@ -85,6 +81,10 @@ class MasterAdamW(AdamW):
     master keeps its extra bits.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._written: dict[torch.Tensor, tuple] = {}  # p -> what the step last left in p (masters.signature)
+        super().__init__(*args, **kwargs)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         restore_master_state(self, state_dict)
@@ -92,7 +92,7 @@ class MasterAdamW(AdamW):
 
     def forget_writes(self) -> None:
         """Forget what the step last wrote into each parameter: the next step reconciles each with its master."""
-        _last_writes(self).clear()
+        self._written.clear()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -100,7 +100,7 @@ class MasterAdamW(AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        written = _last_writes(self)
+        written = self._written
         for group in self.param_groups:
             params, targets, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], [], []
             for p in group["params"]:
@@ -112,7 +112,8 @@ class MasterAdamW(AdamW):
                 if not state:
                     _init_master_state(state, p, group)
                 else:
-                    _follow_parameter(state, p, written.get(p))
+                    # torch's AdamW keeps its step count on the host unless fused or capturable: it stays there.
+                    follow_parameter(state, p, written.get(p), MASTER_STATE_KEYS, host_keys=("step",))
                 target = state.get("master", p)
                 params.append(p)
                 targets.append(target)
@@ -152,7 +153,7 @@ class MasterAdamW(AdamW):
             if rounded:
                 torch._foreach_copy_([p for p, _ in rounded], [t for _, t in rounded])  # the master rounded
             for p in params:
-                written[p] = _signature(p)
+                written[p] = signature(p)
         return loss
 
 
@@ -171,64 +172,10 @@ def _init_master_state(state: dict[str, Any], p: torch.Tensor, group: dict[str, 
         state["max_exp_avg_sq"] = torch.zeros_like(target, memory_format=torch.preserve_format)
 
 
-def _last_writes(optimizer: Optimizer) -> dict[torch.Tensor, tuple]:
-    """``p -> _signature(p)`` as the step last left each parameter (kept on the optimizer, out of its state_dict)."""
-    return optimizer.__dict__.setdefault("_fora_master_written", {})
-
-
-def _signature(p: torch.Tensor) -> tuple:
-    """What the step last left in ``p``: version counter (bumped by every in-place write), storage, dtype, device."""
-    if torch.compiler.is_compiling():  # dynamo reads a version counter only as data: follow casts and moves alone
-        return None, None, p.dtype, p.device
-    local = local_rows(p)
-    return local._version, local.untyped_storage()._cdata, p.dtype, p.device
-
-
-def _follow_parameter(state: dict[str, Any], p: torch.Tensor, last: tuple | None) -> None:
-    """Bring ``p``'s state in line with ``p`` where something outside the step changed it since the step last wrote
-    it (``last``: its :func:`_signature` then; None after ``load_state_dict``): moved, the state moves with it; cast
-    down from the compute dtype, a master is made from its values; cast up, it becomes its own point; written in
-    place, the master takes its new values where it no longer equals the master rounded."""
-    if last == _signature(p):
-        return
-    device, dtype = p.device, compute_dtype(p)
-    for key in MASTER_STATE_KEYS:
-        if key in state and (state[key].device != device or state[key].dtype != dtype):
-            state[key] = state[key].to(device=device, dtype=dtype)
-    if state["step"].device.type != "cpu":
-        state["step"] = state["step"].to(device)
-    master = state.get("master")
-    if master is None:
-        if p.dtype != dtype:
-            state["master"] = p.detach().to(dtype)
-        return
-    local = local_rows(p)
-    stored = local_rows(master).to(p.dtype if last is None else last[2]).to(p.dtype)
-    point = torch.where(local == stored, local_rows(master), local.to(dtype))
-    if p.dtype == dtype:
-        local.copy_(point)
-        del state["master"]
-    else:
-        local_rows(master).copy_(point)
-
-
 def restore_master_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
     """After ``Optimizer.load_state_dict(state_dict)``: put the saved masters and moments of every group with
     ``"master_weights": True`` back in their compute dtype (torch's loader casts them to the bf16 parameter's)."""
-    for saved_group, group in zip(state_dict["param_groups"], optimizer.param_groups):
-        if not group.get("master_weights"):
-            continue
-        for saved_id, p in zip(saved_group["params"], group["params"]):
-            saved = state_dict["state"].get(saved_id)
-            state = optimizer.state.get(p)  # never an empty entry: FSDP2 swaps the parameters after a load
-            if not saved or state is None:
-                continue
-            for key in MASTER_STATE_KEYS:
-                if key in saved:
-                    # A copy: the loaded state must not share storage with the state_dict it came from.
-                    state[key] = saved[key].to(dtype=compute_dtype(p), device=p.device, copy=True)
-            if "step" in state:  # torch's loader hands a host step count over as it was saved
-                state["step"] = state["step"].clone()
+    restore_state(optimizer, state_dict, lambda g: g.get("master_weights"), MASTER_STATE_KEYS, kept_keys=("step",))
 
 
 class FoRAOptimizer(Optimizer):
