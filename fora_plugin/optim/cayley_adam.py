@@ -698,8 +698,8 @@ def _rank_step(buckets: list[list[list]], settings: _Settings, cache: dict, impl
     offsets = [0]
     for g in grad_sqs:
         offsets.append(offsets[-1] + len(g))
-    for bucket, (_, _, old_moments), start, stop in zip(buckets, measured, offsets, offsets[1:]):
-        update(bucket[0], bucket[2], bucket[3], delta[start:stop], finite[start:stop], old_moments, E, dtype)
+    for bucket, (_, _, carried), start, stop in zip(buckets, measured, offsets, offsets[1:]):
+        update(bucket[0], bucket[2], bucket[3], delta[start:stop], finite[start:stop], carried, E, dtype)
     scalar_shape = () if E == 1 else (E,)
     for tensors, value in zip(scalar_lists, (v, step, counts[0], counts[1])):
         torch._foreach_copy_(tensors, list(value.view(len(tensors), *scalar_shape).unbind(0)))
@@ -770,10 +770,11 @@ def _measure_per_matrix(
     exp_avgs: list[torch.Tensor],
     settings: _Settings,
     constants: _Constants,
-) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, list]]:
     """Phase 1 for one bucket, matrix by matrix: the first moments moved in place, the Gram matrices of [B, m] (n, 2r,
-    2r) and ‖G‖² (n,) of this rank's rows. Under sharding, also the moments before the move (a matrix another rank
-    skips keeps them)."""
+    2r) and ‖G‖² (n,) of this rank's rows, and what phase 3 takes over: the expert blocks of B and m copied out here
+    (copied out again, they would cost as many transposing copies as the rest of the step) and, under sharding, the
+    moments before the move (a matrix another rank skips keeps them)."""
     E = settings.num_experts
     points, moments = _points(params, masters), [local_rows(t) for t in exp_avgs]
     dtype, device = moments[0].dtype, moments[0].device
@@ -787,26 +788,26 @@ def _measure_per_matrix(
     outputs = zip(_slots(norms if E > 1 else norms.view(n), E), *(_slots(b, E) for b in blocks))
     scratch = torch.empty((d, r), dtype=dtype, device=device)  # a gradient made finite, where not a copy
     limit = _NORM_LIMITS[dtype]
-    old_moments = [] if sharded else None
+    carried = {"old_moments": [] if sharded else None, "blocks": [] if E > 1 else None}
     for B, m, G, (norm, btb, btm, mtm) in zip(points, moments, grads, outputs):
         view = E == 1 and G.dtype == dtype  # else _blocks copies
         G = _finite_gradient(_blocks(G, E, dtype), out=scratch if view else None)
         torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=E > 1, out=norm)  # its square is inf if G was not finite
         M = _blocks(m, E, dtype)
         if sharded:
-            old_moments.append(M.clone())
+            carried["old_moments"].append(M.clone())
         # m_{t+1}; a skipped matrix keeps m_t: m + 0·G
         M.lerp_(G, torch.where(norm <= limit, constants.lerp_weight, constants.zero))
-        if E > 1:
-            expert_blocks(m, E).copy_(M)
         B = _blocks(B, E, dtype)
+        if E > 1:
+            carried["blocks"].append((B, M))
         Bt = B.mT
         product(Bt, B, out=btb)
         product(Bt, M, out=btm)
         product(M.mT, M, out=mtm)
     gram = torch.empty((n, 2 * r, 2 * r), dtype=dtype, device=device)
     gram[:, :r, :r], gram[:, :r, r:], gram[:, r:, :r], gram[:, r:, r:] = blocks[0], blocks[1], blocks[1].mT, blocks[2]
-    return gram, norms.view(n).square_(), old_moments
+    return gram, norms.view(n).square_(), carried
 
 
 def _update_per_matrix(
@@ -815,11 +816,12 @@ def _update_per_matrix(
     exp_avgs: list[torch.Tensor],
     delta: torch.Tensor,
     finite: torch.Tensor,
-    old_moments: list | None,
+    carried: dict[str, list],
     E: int,
     dtype: torch.dtype,
 ) -> None:
-    """Phase 3 for one bucket, matrix by matrix: [B, m] ← [B, m] + [B, m] Δ, Δ (n, 2r, 2r)."""
+    """Phase 3 for one bucket, matrix by matrix: [B, m] ← [B, m] + [B, m] Δ, Δ (n, 2r, 2r); ``carried``: what
+    :func:`_measure_per_matrix` hands over."""
     points, moments = _points(params, masters), [local_rows(t) for t in exp_avgs]
     d, r = points[0].shape[0], points[0].shape[1] // E
     product, accumulate = (torch.mm, torch.Tensor.addmm_) if E == 1 else (torch.bmm, torch.Tensor.baddbmm_)
@@ -827,9 +829,10 @@ def _update_per_matrix(
     # one (E, d, 2r) product on a CPU, where the adds read their operands from memory).
     step_b, step_m = torch.empty((2, *((E,) if E > 1 else ()), d, r), dtype=dtype, device=delta.device)
     quarters = [_slots(q, E) for q in (delta[:, :r, :r], delta[:, r:, :r], delta[:, :r, r:], delta[:, r:, r:])]
+    old_moments = carried["old_moments"]
     keep = _slots(finite.view(-1, 1, 1), E) if old_moments is not None else [None] * len(points)
     for i, (point, moment, (bb, mb, bm, mm), kept) in enumerate(zip(points, moments, zip(*quarters), keep)):
-        B, M = _blocks(point, E, dtype), _blocks(moment, E, dtype)
+        B, M = (point, moment) if E == 1 else carried["blocks"][i]
         accumulate(product(B, bb, out=step_b), M, mb)
         accumulate(product(B, bm, out=step_m), M, mm)
         # The step is added to [B, m], never formed as [B, m] (I + Δ): B_{t+1} − B_t is small, and adding it keeps
@@ -852,7 +855,7 @@ def _measure_staged(
     exp_avgs: list[torch.Tensor],
     settings: _Settings,
     constants: _Constants,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor | None]]:
     """Phase 1 for one bucket through a dense (n, d, 2r) buffer [B, m]: as :func:`_measure_per_matrix`."""
     E = settings.num_experts
     points, moments = _points(params, masters), [local_rows(t) for t in exp_avgs]
@@ -869,7 +872,7 @@ def _measure_staged(
     old_moments = P[..., r:].clone() if reduce_groups(params[0]) else None
     P[..., r:].lerp_(G, _lerp_weights(grad_sq[:, None, None], constants))  # m_{t+1}
     _scatter(moments, P[..., r:], stage, E)
-    return P.mT @ P, grad_sq, old_moments  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
+    return P.mT @ P, grad_sq, {"old_moments": old_moments}  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
 
 
 def _update_staged(
@@ -878,11 +881,12 @@ def _update_staged(
     exp_avgs: list[torch.Tensor],
     delta: torch.Tensor,
     finite: torch.Tensor,
-    old_moments: torch.Tensor | None,
+    carried: dict[str, torch.Tensor | None],
     E: int,
     dtype: torch.dtype,
 ) -> None:
     """Phase 3 for one bucket through a dense (n, d, 2r) buffer: as :func:`_update_per_matrix`."""
+    old_moments = carried["old_moments"]
     points, moments = _points(params, masters), [local_rows(t) for t in exp_avgs]
     n, d, r = delta.shape[0], points[0].shape[0], points[0].shape[1] // E
     P = torch.empty((n, d, 2 * r), dtype=dtype, device=delta.device)
