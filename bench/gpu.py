@@ -8,6 +8,10 @@ a. ``step_time``: the paper's efficiency table (bench/step_time.py): LLaMA-3.2-3
    bf16 weights, batch 16 x 256, LoRA r 32 on q/k/v/up/down through FoRASFTTrainer; lora (all layers), fg-lora and
    fora on the top half and on every second layer, checkpointing off and on; ms/step, max_memory_allocated/reserved,
    the ratios beside the paper's figures, and the torch profiler's top kernels of the ckpt-off top-half rows.
+a3. ``fast_path``: issue 36's rows: lora, fg-lora and fora (top half, checkpointing off) on the commonsense mix with
+   each of PEFT's input cast (``fora_input_cast: peft``), the cast off (the default), bf16 adapters with fp32 masters,
+   Liger's kernels, ``torch_compile``, and all together; then the fastest on the fixed 256-token rows, checkpointing
+   off and on. Rows not started within the budget are listed as left out (compile rows come last: they compile).
 a2. ``step_rows``: beside (a), checkpointing off: lora, fg-lora and fora with gradient accumulation 4 and on the
    commonsense mix (padded per batch), and the frozen base alone (the floor a LoRA step adds to); the optimizer phase
    of fora against fg-lora's on the same layers.
@@ -68,6 +72,7 @@ from step_time import GIB, MODES, REPO, TARGETS, Setting  # noqa: E402
 SECTIONS = (
     "step_time",
     "step_rows",
+    "fast_path",
     "host_syncs",
     "scoring",
     "optimizer",
@@ -359,6 +364,111 @@ def section_step_rows(ctx: Run) -> dict[str, Any]:
             text[-1] += f"; LoRA on all layers adds {lora['ms_per_step'] - frozen['ms_per_step']:.1f} ms."
     text += ["", f"Paper (H200): LoRA all layers {PAPER['lora_ms']} ms, FG-LoRA/FoRA {PAPER['half_ms']} ms a step."]
     return {"rows": rows, "text": "\n".join(text)}
+
+
+# -------------------------------------------------------------------------------------------- (a3) the fast path
+# Issue 36's combinations: name -> (FoRAConfig fields, SFTConfig fields). The input cast is off by default.
+FAST_PATH = {
+    "PEFT's input cast": ((("input_cast", "peft"),), ()),
+    "input cast off": ((), ()),
+    "bf16 adapters": ((("adapter_dtype", "bfloat16"),), ()),
+    "Liger": ((), (("use_liger_kernel", True),)),
+    "compile": ((), (("torch_compile", True),)),
+    "all": ((("adapter_dtype", "bfloat16"),), (("use_liger_kernel", True), ("torch_compile", True))),
+}
+
+
+def fast_path_rows(ctx: Run) -> list[step_time.Row]:
+    """The rows on the commonsense mix (top half, checkpointing off), those that compile last. The tiny CPU mode
+    leaves out what needs a bf16 base or compiles (minutes on a CPU); Liger is kept: it is refused there."""
+    rows = []
+    for compiled in (False, True):
+        for name, (options, sft_options) in FAST_PATH.items():
+            if any(key == "torch_compile" for key, _ in sft_options) != compiled:
+                continue
+            if not ctx.scale.setting.bf16 and (compiled or ("adapter_dtype", "bfloat16") in options):
+                continue
+            for mode in MODES:
+                placement = "all" if mode == "lora" else "top half"
+                rows.append(
+                    step_time.Row(
+                        mode,
+                        placement,
+                        False,
+                        data="commonsense",
+                        options=options,
+                        sft_options=sft_options,
+                        label=name,
+                    )
+                )
+    return rows
+
+
+def section_fast_path(ctx: Run) -> dict[str, Any]:
+    from fora_plugin.errors import FoRAInputError
+
+    rows: list[dict[str, Any]] = []
+    refused: dict[str, str] = {}
+    left_out: list[str] = []
+    ctx.partial["fast_path"] = {"rows": rows, "refused": refused, "left_out": left_out}
+
+    def measure(row: step_time.Row) -> None:
+        if ctx.remaining() <= 0:
+            left_out.append(f"{row.mode} {row.placement} {step_time._what(dataclasses.asdict(row))}")
+            return
+        try:
+            (result,) = step_time.measure_rows(
+                ctx.scale.setting, ctx.device, [row], warmup=ctx.scale.warmup, steps=ctx.scale.steps
+            )
+        except FoRAInputError as error:  # Liger where it cannot run: the refusal is the row
+            refused[row.label] = str(error)
+            step_time.release(ctx.device)
+            return
+        rows.append(result)
+        ctx.log(f"  {row.mode} {row.label}: {result['ms_per_step']:.1f} ms/step")
+
+    for row in fast_path_rows(ctx):
+        if row.label in refused:
+            continue
+        measure(row)
+    fora = [r for r in rows if r["mode"] == "fora"]
+    fastest = min(fora, key=lambda r: r["ms_per_step"])["label"] if fora else "input cast off"
+    options, sft_options = FAST_PATH[fastest]
+    for ckpt in (False, True):
+        for mode in MODES:
+            placement = "all" if mode == "lora" else "top half"
+            measure(step_time.Row(mode, placement, ckpt, options=options, sft_options=sft_options, label=fastest))
+    lines = [
+        "| data | checkpointing | with | lora, all layers | fg-lora | fora | fora / lora (goal ≤ 0.72) | fora / "
+        "fg-lora |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for data, ckpt, label in dict.fromkeys((r["data"], r["checkpointing"], r["label"]) for r in rows):
+        found = {
+            m: step_time.find_row(rows, m, "top half", ckpt, data=data, options=o, sft_options=so, label=label)
+            for m in MODES
+            for o, so in [FAST_PATH[label]]
+        }
+        lines.append(
+            f"| {data} | {'on' if ckpt else 'off'} | {label} | {step_time._ms(found['lora'])} "
+            f"| {step_time._ms(found['fg-lora'])} | {step_time._ms(found['fora'])} "
+            f"| {step_time._ratio(found['fora'], found['lora'])} "
+            f"| {step_time._ratio(found['fora'], found['fg-lora'])} |"
+        )
+    best = step_time.find_row(
+        rows, "fora", "top half", False, data="commonsense", options=options, sft_options=sft_options, label=fastest
+    )
+    lines += ["", f"Fastest for fora on the commonsense mix: {fastest}."]
+    if best is not None and ctx.device.type == "cuda":
+        verdict = "met" if best["ms_per_step"] <= PAPER["half_ms"] else "not met"
+        lines.append(
+            f"Goal beyond: fora on the paper's kind of data at or under the paper's {PAPER['half_ms']} ms (its H200 "
+            f"FG-LoRA/FoRA step): {best['ms_per_step']:.1f} ms, {verdict}."
+        )
+    lines += [f"- {label}: refused here: {reason}" for label, reason in refused.items()]
+    lines += [f"- left out (the budget was spent): {row}" for row in left_out]
+    lines += ["", step_time.format_rows(rows)]
+    return {"rows": rows, "fastest": fastest, "refused": refused, "left_out": left_out, "text": "\n".join(lines)}
 
 
 # ---------------------------------------------------------------------------------------------------- (b) plan
@@ -1161,6 +1271,7 @@ class Run:
 SECTION_FUNCTIONS = {
     "step_time": section_step_time,
     "step_rows": section_step_rows,
+    "fast_path": section_fast_path,
     "host_syncs": section_host_syncs,
     "scoring": section_scoring,
     "optimizer": section_optimizer,

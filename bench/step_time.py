@@ -256,13 +256,16 @@ def build_trainer(
     accumulation: int = 1,
     data: str = "random",
     fora_options: dict[str, Any] | None = None,
+    sft_options: dict[str, Any] | None = None,
     **trainer_kwargs,
 ):
     """A FoRASFTTrainer as a user builds one: base model, LoraConfig, FoRAConfig; ``layers`` None scores them.
 
     ``model``: a built model or a model folder (SFTTrainer loads it with ``args.model_init_kwargs`` and
     ``trainer_kwargs`` such as ``quantization_config``); default: :func:`build_model`. ``accumulation``: gradient
-    accumulation steps; ``data``: one of :data:`DATA`; ``fora_options``: more FoRAConfig fields.
+    accumulation steps; ``data``: one of :data:`DATA`; ``fora_options``: more FoRAConfig fields (in mode lora, which
+    is SFTTrainer's own, ``adapter_dtype="bfloat16"`` casts the LoRA weights to bf16 after the wrap, plain AdamW
+    stepping them); ``sft_options``: more SFTConfig fields (``use_liger_kernel``, ``torch_compile``).
     """
     from conftest import char_tokenizer
 
@@ -270,7 +273,9 @@ def build_trainer(
 
     if data not in DATA:
         raise ValueError(f"data={data!r}: use one of {DATA}")
-    extra = {"gradient_accumulation_steps": accumulation}
+    extra = {"gradient_accumulation_steps": accumulation, **(sft_options or {})}
+    fora_options = dict(fora_options or {})
+    bf16_lora = mode == "lora" and fora_options.pop("adapter_dtype", "auto") == "bfloat16"
     if isinstance(model, str):
         extra["model_init_kwargs"] = {"dtype": setting.dtype}
     elif model is None:
@@ -278,13 +283,13 @@ def build_trainer(
     vocab_size = setting.model_config().vocab_size
     batches = max(max_steps * accumulation, fisher_batches if layers is None and mode != "lora" else 0)
     rows = setting.batch_size * batches
-    fora = FoRAConfig(mode=mode, layers=layers, fisher_batches=fisher_batches, seed=0, **(fora_options or {}))
+    fora = FoRAConfig(mode=mode, layers=layers, fisher_batches=fisher_batches, seed=0, **fora_options)
     if data == "commonsense":
         # At least 64 rows: where seq_len is short (the tiny setting), most rows lose their completion to truncation.
         dataset, tokenizer = commonsense_dataset(max(rows, 64)), word_tokenizer(vocab_size)
     else:
         dataset, tokenizer = random_dataset(setting, rows, vocab_size), char_tokenizer()
-    return FoRASFTTrainer(
+    trainer = FoRASFTTrainer(
         model,
         sft_args(setting, device, output_dir, checkpointing=checkpointing, max_steps=max_steps, **extra),
         train_dataset=dataset,
@@ -293,6 +298,12 @@ def build_trainer(
         fora_config=fora,
         **trainer_kwargs,
     )
+    if bf16_lora:
+        with torch.no_grad():
+            for name, p in trainer.model.named_parameters():
+                if "lora_" in name:
+                    p.data = p.data.to(torch.bfloat16)
+    return trainer
 
 
 # ------------------------------------------------------------------------------------------------------- timing
@@ -438,8 +449,8 @@ def release(device: torch.device) -> None:
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One measured run: ``mode`` one of :data:`MODES` or ``"frozen"`` (the base alone, :func:`frozen_base`);
-    ``placement`` "all" (lora, frozen) or a key of :func:`placements`; ``options``: FoRAConfig fields as (key, value)
-    pairs; ``label``: what sets the row apart, for its table."""
+    ``placement`` "all" (lora, frozen) or a key of :func:`placements`; ``options`` and ``sft_options``: FoRAConfig and
+    SFTConfig fields as (key, value) pairs; ``label``: what sets the row apart, for its table."""
 
     mode: str
     placement: str
@@ -447,6 +458,7 @@ class Row:
     accumulation: int = 1
     data: str = "random"
     options: tuple[tuple[str, Any], ...] = ()
+    sft_options: tuple[tuple[str, Any], ...] = ()
     label: str = ""
 
 
@@ -524,6 +536,7 @@ def measure_rows(
                     layers=layers,
                     max_steps=warmup + steps + profile_steps,
                     fora_options=dict(row.options),
+                    sft_options=dict(row.sft_options),
                     **common,
                 )
                 timed = time_steps(

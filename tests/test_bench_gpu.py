@@ -34,6 +34,7 @@ def test_every_section_ran_or_says_it_needs_cuda(report):
     assert {name: s["status"] for name, s in sections.items()} == {
         "step_time": "ok",
         "step_rows": "ok",
+        "fast_path": "ok",
         "host_syncs": "ok",
         "scoring": "ok",
         "optimizer": "ok",
@@ -104,6 +105,21 @@ def test_step_rows_add_accumulation_real_data_and_the_frozen_base(report):
         four = next(r for r in rows if (r["mode"], r["placement"], r["accumulation"]) == (mode, placement, 4))
         assert four["log"]["num_tokens"] == 4 * once["log"]["num_tokens"]  # four micro-batches a step, not one
     assert "fora − fg-lora" in report["sections"]["step_rows"]["text"]
+
+
+@pytest.mark.slow
+def test_fast_path_rows_run_each_option_the_cpu_can_and_say_why_not_the_others(report):
+    section = report["sections"]["fast_path"]
+    rows = section["rows"]
+    measured = sorted((r["mode"], r["data"], r["checkpointing"], r["label"]) for r in rows)
+    modes = ("lora", "fg-lora", "fora")
+    # The fp32 tiny setting: no bf16 adapters, nothing compiled; Liger is refused; the fastest on fixed rows after.
+    on_data = [(m, "commonsense", False, label) for m in modes for label in ("PEFT's input cast", "input cast off")]
+    fixed = [(m, "random", ckpt, section["fastest"]) for m in modes for ckpt in (False, True)]
+    assert measured == sorted(on_data + fixed)
+    assert section["refused"].keys() == {"Liger"} and "liger-kernel" in section["refused"]["Liger"]
+    assert section["left_out"] == []
+    assert all(positive(r["ms_per_step"]) for r in rows)
 
 
 @pytest.mark.slow
