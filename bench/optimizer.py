@@ -33,15 +33,10 @@ tests/capture_check.py: the captured step against the eager one over 20 steps of
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import io
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tarfile
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -53,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/capture_check.py
 
+from capture_check import package_at  # noqa: E402
 from reference_cayley_adam import ReferenceCayleyAdam  # noqa: E402
 
 from fora_plugin import CayleyAdam  # noqa: E402
@@ -82,33 +78,11 @@ def load_older(stacked_rev: str, previous_rev: str) -> None:
     """:data:`OLDER`'s rows: the stacked-views step and the previous step, from git (none where git cannot)."""
     OLDER.clear()
     for label, rev in (("CayleyAdam stacked views", stacked_rev), ("CayleyAdam, a buffer per bucket", previous_rev)):
-        older = cayley_adam_at(rev) if rev else None
-        if older is not None:
-            OLDER[f"{label} ({rev})"] = older
-
-
-def cayley_adam_at(rev: str) -> type | None:
-    """``fora_plugin.CayleyAdam`` as it was at git revision ``rev``, imported as another package (its modules import
-    each other relatively), or None with a note where git cannot give it."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        archive = subprocess.run(
-            ["git", "-C", str(root), "archive", rev, "fora_plugin"], capture_output=True, check=True
-        ).stdout
-    except (OSError, subprocess.CalledProcessError) as error:
-        print(f"(no row for the stacked step: git archive {rev} failed: {error})")
-        return None
-    target = Path(tempfile.mkdtemp(prefix="fora-plugin-"))
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(target, filter="data")
-    name = f"fora_plugin_{rev}"
-    spec = importlib.util.spec_from_file_location(
-        name, target / "fora_plugin" / "__init__.py", submodule_search_locations=[str(target / "fora_plugin")]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module.CayleyAdam
+        package = package_at(rev) if rev else None
+        if package is not None:
+            OLDER[f"{label} ({rev})"] = package.CayleyAdam
+        elif rev:
+            print(f"(no row for {label}: git cannot give revision {rev} here)")
 
 
 def synchronize() -> None:

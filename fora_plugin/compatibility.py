@@ -28,6 +28,7 @@ __all__ = [
     "check_init_lora_weights",
     "check_layers_unset",
     "check_learning_rate",
+    "check_cuda_graph",
     "check_liger",
     "check_optimizer",
 ]
@@ -127,3 +128,18 @@ def check_liger(requested: Any, key: str, *, cpu: bool = False) -> None:
         f"{key}=True cannot run here: {problem}. Set {key} to false (FoRA trains the same without Liger's kernels, "
         "only slower), or run on a CUDA GPU with `pip install liger-kernel`."
     )
+
+
+def check_cuda_graph(requested: Any, key: str, *, cpu: bool = False, sharded: bool = False) -> None:
+    """Refuse Cayley-Adam's captured step (``FoRAConfig.cuda_graph``) where it cannot be had, before anything loads:
+    without a CUDA GPU for the run (``cpu``: the run is told to use the CPU), or under FSDP2 (``sharded``), whose
+    row-sharded lora_B step with an all-reduce a graph would have to replay in lockstep with every rank."""
+    if requested is not True:
+        return
+    if cpu or not torch.cuda.is_available():
+        problem = "this run has no CUDA GPU (a CUDA graph is captured on one)"
+    elif sharded:
+        problem = "FSDP2 shards every lora_B by rows, and their step all-reduces (it stays eager)"
+    else:
+        return
+    raise FoRAInputError(f"{key}=True cannot be used here: {problem}. Leave {key} unset: Cayley-Adam steps eagerly.")

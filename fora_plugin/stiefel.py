@@ -127,10 +127,9 @@ def cayley_span_step(
     solver: str = "exact",
     iters: int = 5,
     eye: torch.Tensor | None = None,
-    scale: float = 1.0,
 ) -> torch.Tensor:
     """z (..., 2r, r) with (I + τ/2 W)⁻¹ (I − τ/2 W) B = B + [B, G] z, for Ω of :func:`skew_generator` and
-    τ/2 = ``scale`` · ``half_tau`` (...).
+    τ/2 = ``half_tau`` (...).
 
     The step itself, not the new point: z is small, and computing it directly keeps its relative precision (B + [B,
     G] z then drifts from the manifold several times less in fp32 than [B, G] (e_B + z) would).
@@ -155,11 +154,10 @@ def cayley_span_step(
     if solver == "exact":
         if eye is None:
             eye = torch.eye(2 * r, dtype=omega.dtype, device=omega.device)
-        core = torch.addcmul(eye, omega, h, value=scale)  # I + τ/2 Ω
+        core = torch.addcmul(eye, omega, h)  # I + τ/2 Ω
         # Solved as zᵀ (I + τ/2 Ω)ᵀ = rhsᵀ: the transposed row-major core is the column-major matrix LAPACK takes
         # (20% faster on a CPU, no copy).
-        return torch.linalg.solve_ex(core.mT, (omega_b * h).mul_(-2 * scale).mT, left=False)[0].mT
-    h = h * scale
+        return torch.linalg.solve_ex(core.mT, (omega_b * h).mul_(-2).mT, left=False)[0].mT
     w_norm_sq = (omega * omega.mT).sum(dim=(-2, -1)).neg_().clamp_min_(0)  # ‖W‖_F²
     h = torch.minimum(h, 0.5 * w_norm_sq.rsqrt()[..., None, None])  # τ <= 1/‖W‖_F (rsqrt(0) = inf: no cap)
     z = omega_b * (-2 * h)  # −τ W B

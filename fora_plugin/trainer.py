@@ -31,6 +31,7 @@ from .backward import (
     stop_backward_at_lowest_adapted_layer,
 )
 from .compatibility import (
+    check_cuda_graph,
     check_dora,
     check_init_lora_weights,
     check_layers_unset,
@@ -41,7 +42,7 @@ from .compatibility import (
 from .config import FoRAConfig
 from .errors import FoRAInputError, FoRAInputTypeError
 from .fisher import FisherScores, fisher_scores
-from .fsdp import check_fsdp, prepare_fsdp2
+from .fsdp import check_fsdp, fsdp_setting, prepare_fsdp2
 from .monitor import DivergenceMonitor
 from .optim import FoRAOptimizer, build_fora_optimizer, check_lr_scheduler_type
 from .validation import resolve_checkpoint
@@ -420,6 +421,8 @@ class FoRASFTTrainer(SFTTrainer):
         if args is not None:
             check_learning_rate(args.learning_rate)
             check_liger(args.use_liger_kernel, "use_liger_kernel", cpu=args.use_cpu)
+            sharded = fsdp_setting(args) is not None
+            check_cuda_graph(fora_config.cuda_graph, "cuda_graph", cpu=args.use_cpu, sharded=sharded)
             # Before SFTTrainer loads a model given by name (under ZeRO-3, inside zero.Init).
             join_deepspeed_process_group(args)
         if fora_config.mode == "lora":

@@ -7,8 +7,9 @@ to the host is an error; tensors made during the capture keep their memory and a
 recording here does the same on the CPU: ops that write into existing tensors (in-place and ``out=`` ops) and ops
 that make new tensors are recorded, not run (new tensors get uninitialised memory of the right shape, from the op's
 meta kernel); views are made at once, since they only alias memory; a host read raises. :func:`capture` is the
-``capture(run, device) -> replay`` function that ``fora_plugin.optim.cayley_adam.GRAPH_BACKENDS`` takes, so a test can
-run Cayley-Adam's captured path on the CPU and compare it with the eager step.
+``capture(run, device) -> replay`` function that ``fora_plugin.optim.cayley_adam.GRAPH_BACKENDS`` takes (``run``
+runs once, then is recorded), so a test can run Cayley-Adam's captured path on the CPU and compare it with the eager
+step.
 """
 
 from __future__ import annotations
@@ -99,7 +100,10 @@ class RecordingGraph(TorchDispatchMode):
 
 
 def capture(run: Callable[[], None], device: torch.device) -> Callable[[], None]:
-    """Record ``run`` (nothing runs) and return the function that replays it: a CUDA graph's capture, anywhere."""
+    """As Cayley-Adam's CUDA backend does: run ``run`` once, then record it (nothing runs) and return the function
+    that replays it."""
+    with torch.no_grad():
+        run()
     graph = RecordingGraph()
     with torch.no_grad(), graph:
         run()

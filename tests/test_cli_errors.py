@@ -275,6 +275,11 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
     ("lr-stiefel-nan", lambda c: ["score", c.config(), "--fora_lr_stiefel", "nan"], r"lr_stiefel=nan"),
     ("lr-stiefel-inf", lambda c: ["score", c.config(), "--fora_lr_stiefel", "inf"], r"lr_stiefel=inf"),
     ("init-a", lambda c: ["score", c.config(), "--fora_init_a", "ones"], r"ones"),
+    (
+        "cuda-graph-without-a-gpu",
+        lambda c: ["train", c.config(), "--fora_cuda_graph", "true"],
+        r"cuda_graph=True cannot be used here: this run has no CUDA GPU",
+    ),
     ("layers-repeat", lambda c: ["train", c.config(fora_layers=[0, 0])], r"layers=\[0, 0\]"),
     ("layers-with-lora-mode", lambda c: ["train", c.config(fora_layers=[0], fora_mode="lora")], r"contradicts"),
     (
@@ -1289,6 +1294,7 @@ BEFORE_THE_MODEL = (
     "lora-target-modules-empty",
     "eval-task-without-an-answer-format",
     "eval-task-examples-without-answers",
+    "cuda-graph-without-a-gpu",
 )
 
 

@@ -139,6 +139,23 @@ def test_a_checkpoint_of_fp32_adapters_resumed_with_bf16_ones_keeps_this_runs_ma
     assert torch.equal(a, state["master"].bfloat16())
 
 
+def test_a_checkpoint_of_bf16_adapters_resumed_with_fp32_ones_leaves_no_stale_master():
+    # torch's AdamW steps fp32 adapters: a master loaded beside its state would be saved again at every checkpoint.
+    gen = torch.Generator().manual_seed(7)
+    (a,), (a32,) = bf16_and_reference([(4, 9)], seed=8)
+    b = torch.nn.Parameter(random_stiefel(9, 4, generator=gen))
+    bf16_run = build([a], torch.nn.Parameter(b.detach().bfloat16()))
+    a.grad = torch.randn(4, 9, generator=gen).bfloat16()
+    bf16_run.step()
+    assert "master" in bf16_run.state[a]
+    resumed = build([a32], b, master_weights=False)
+    resumed.load_state_dict(copy.deepcopy(bf16_run.state_dict()))
+    assert "master" not in resumed.state[a32] and resumed.state[a32]["exp_avg"].dtype == torch.float32
+    a32.grad = torch.randn(4, 9, generator=gen)
+    resumed.step()
+    assert "master" not in resumed.state_dict()["state"][0]
+
+
 def test_a_parameter_loaded_in_place_is_where_the_next_step_starts():
     gen = torch.Generator().manual_seed(7)
     (p,), _ = bf16_and_reference([(4, 8)], seed=8)

@@ -15,7 +15,7 @@ from axolotl.utils.train import determine_last_checkpoint
 from peft import PeftModel
 from transformers import Trainer
 
-from ..compatibility import check_liger
+from ..compatibility import check_cuda_graph, check_liger
 from ..config import PREFIX, FoRAConfig
 from ..errors import FoRAInputError, FoRAInputTypeError
 from ..models import resolve_model_path
@@ -76,9 +76,12 @@ class FoRAPlugin(BasePlugin):
         for key in ("base_model", "base_model_config", "tokenizer_config"):
             if isinstance(cfg.get(key), str):
                 cfg[key] = resolve_model_path(cfg[key])
-        for flag in LIGER_FLAGS:
+        key = f"{PREFIX}cuda_graph"
+        checks = [lambda flag=flag: check_liger(cfg.get(flag), flag) for flag in LIGER_FLAGS]
+        checks.append(lambda: check_cuda_graph(cfg.get(key), key, sharded=bool(cfg.get("fsdp_config"))))
+        for check in checks:
             try:
-                check_liger(cfg.get(flag), flag)
+                check()
             except FoRAInputError as error:
                 # Before anything loads, and in one line: Liger's plugin would import its kernels after the model's
                 # config is read and stop with a traceback, as would FoRA's config check (Axolotl prints a traceback

@@ -9,6 +9,7 @@ May import: adapter, optim.dtensor, optim.masters, stiefel.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
@@ -89,6 +90,8 @@ def _refuse(key: str, value: Any, accepted: str, error: type[Exception] = ValueE
     raise error(f"{key}={value!r} is invalid: {accepted}.")
 
 
+# The module checks its own numbers, as torch's optimizers do: it imports nothing beyond torch and Stiefel geometry,
+# so validation's equivalents (the rules of what a user types) are not at hand here.
 def _real(value: Any) -> bool:
     """A finite int or float (not a bool: YAML's `true` is not 1)."""
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
@@ -106,27 +109,28 @@ def check_cayley_adam_settings(
     cayley_solver: Any,
     cayley_iters: Any,
     keys: Mapping[str, Any] | None = None,
+    error: type[ValueError] = ValueError,
 ) -> None:
     """The one rule of each Cayley-Adam setting, which ``CayleyAdam``'s param groups and ``FoRAConfig`` both check:
-    ``ValueError`` naming the key, the value and what is accepted. ``keys``: the caller's name of each setting where it
+    ``error`` naming the key, the value and what is accepted. ``keys``: the caller's name of each setting where it
     differs (FoRAConfig's ``stiefel_eps``); ``betas`` named by a pair of keys is checked as two settings."""
     keys = keys or {}
     beta_keys = keys.get("betas", "betas")
     if isinstance(beta_keys, str):
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_real(b) and 0 <= b < 1 for b in betas)):
-            _refuse(beta_keys, betas, "use two floats in [0, 1), e.g. (0.9, 0.99)")
+            _refuse(beta_keys, betas, "use two floats in [0, 1), e.g. (0.9, 0.99)", error)
     else:
         for key, beta in zip(beta_keys, betas):
             if not (_real(beta) and 0 <= beta < 1):
-                _refuse(key, beta, "use a float in [0, 1), e.g. 0.9 and 0.99")
+                _refuse(key, beta, "use a float in [0, 1), e.g. 0.9 and 0.99", error)
     if not (_real(eps) and eps >= 0):
-        _refuse(keys.get("eps", "eps"), eps, "use a finite float >= 0, e.g. 1e-8")
+        _refuse(keys.get("eps", "eps"), eps, "use a finite float >= 0, e.g. 1e-8", error)
     if not (_integer(qr_period) and qr_period >= 0):
-        _refuse(keys.get("qr_period", "qr_period"), qr_period, "use an int >= 0 (0 = never re-project)")
+        _refuse(keys.get("qr_period", "qr_period"), qr_period, "use an int >= 0 (0 = never re-project)", error)
     if cayley_solver not in CAYLEY_SOLVERS:
-        _refuse(keys.get("cayley_solver", "cayley_solver"), cayley_solver, f"use one of {CAYLEY_SOLVERS}")
+        _refuse(keys.get("cayley_solver", "cayley_solver"), cayley_solver, f"use one of {CAYLEY_SOLVERS}", error)
     if not (_integer(cayley_iters) and cayley_iters >= 1):
-        _refuse(keys.get("cayley_iters", "cayley_iters"), cayley_iters, "use an int >= 1 (the paper uses 5)")
+        _refuse(keys.get("cayley_iters", "cayley_iters"), cayley_iters, "use an int >= 1 (the paper uses 5)", error)
 
 
 def _check_hyperparameters(group: dict[str, Any]) -> None:
@@ -156,13 +160,8 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
         )
     if group["implementation"] not in (None, *IMPLEMENTATIONS):
         _refuse("implementation", group["implementation"], f"use one of {IMPLEMENTATIONS}, or None (by device)")
-    if group["cuda_graph"] not in (None, True, False):
-        _refuse(
-            "cuda_graph",
-            group["cuda_graph"],
-            "use True, False or None (captured where the parameters are on CUDA)",
-            TypeError,
-        )
+    if not (group["cuda_graph"] is None or isinstance(group["cuda_graph"], bool)):  # 0 would pass `in (None, ...)`
+        _refuse("cuda_graph", group["cuda_graph"], "use True (captured on CUDA), False or None (eager)", TypeError)
 
 
 def _check_stiefel_parameter(p: torch.Tensor, index: int, num_experts: int = 1) -> None:
@@ -232,10 +231,11 @@ class CayleyAdam(Optimizer):
         num_experts: expert blocks per parameter (a group key; 1 for ordinary LoRA).
         implementation: how the step reaches the matrices, one of :data:`IMPLEMENTATIONS`; None (the default)
             picks by device (:func:`resolve_implementation`). The paths agree to rounding.
-        cuda_graph: capture each group's step in a CUDA graph after :data:`GRAPH_WARMUP_STEPS` eager steps and
-            replay it at every later step: one launch from the host instead of one per kernel. None (the default):
-            where the parameters are on CUDA and not row-sharded (:func:`resolve_cuda_graph`); False: always eager
-            (debugging, the CPU). A cast, move or load of a parameter or its state is followed, then captured anew.
+        cuda_graph: True: capture each group's step in a CUDA graph after :data:`GRAPH_WARMUP_STEPS` eager steps and
+            replay it at every later step, one launch from the host instead of one per kernel (the parameters of a
+            group on one CUDA device, not row-sharded: :func:`resolve_cuda_graph`). None (the default) and False:
+            eager, until a GPU run has measured the captured step against the eager one. A cast, move or load of a
+            parameter or its state is followed by an eager step, then a new capture.
     """
 
     def __init__(
@@ -272,6 +272,8 @@ class CayleyAdam(Optimizer):
         self._written: dict[torch.Tensor, tuple] = {}
         self._constants: dict[tuple, Any] = {}
         self._captures: dict[int, Any] = {}
+        self._capture_counts: dict[int, int] = {}
+        self._eager_groups: set[int] = set()  # groups captured MAX_CAPTURES times
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -280,6 +282,7 @@ class CayleyAdam(Optimizer):
         _check_hyperparameters(group)
         for index, p in enumerate(group["params"]):
             _check_stiefel_parameter(p, index, group["num_experts"])
+        resolve_cuda_graph(group["cuda_graph"], group["params"])  # refuses a capture the parameters cannot have
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -397,7 +400,7 @@ def _group_step(
     num_experts = group["num_experts"]
     period = group["qr_period"]
     params, param_grads = [], []
-    changed = False
+    replaced = False  # a tensor a captured step reads is another one now
     for p in group["params"]:
         grad = p.grad if grads is None else grads.get(p)
         if grad is None:
@@ -406,18 +409,15 @@ def _group_step(
             raise TypeError("CayleyAdam does not support sparse gradients.")
         if not state[p]:
             init_cayley_adam_state(state[p], p, num_experts)
-            changed = True
+            replaced = True
         else:
-            changed |= follow_parameter(state[p], p, written.get(p), _COMPUTE_STATE_KEYS)
+            replaced |= follow_parameter(state[p], p, written.get(p), _COMPUTE_STATE_KEYS)
         params.append(p)
         param_grads.append(grad)
     if not params:
         return
     reproject_all = period > 0 and group["steps"] % period == 0
-    captured = _captured_step(optimizer, group, params, param_grads, changed)
-    if captured is not None:
-        captured.replay(param_grads, group["lr"], reproject_all)
-    else:
+    if not _captured_step(optimizer, group, params, param_grads, replaced, reproject_all):
         _step_eagerly(optimizer, group, params, param_grads, reproject_all)
     for p in params:
         written[p] = signature(p)
@@ -456,38 +456,70 @@ def _step_eagerly(
 
 # ------------------------------------------------------------------------------------------------------ captured
 def _capture_cuda(run: Callable[[], None], device: torch.device) -> Callable[[], None]:
-    """Capture ``run``'s kernels in a CUDA graph (nothing runs); return the function that replays them."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.device(device), torch.cuda.graph(graph):
-        run()
+    """Run ``run`` once on a side stream, then capture it there in a CUDA graph; return the function that replays it.
+
+    The run is the step of this iteration and the warm-up the CUDA-graph docs ask for: cuBLAS and cuSOLVER set up
+    their handles and workspaces for the stream outside the capture. cuSOLVER serves the linear algebra of both:
+    MAGMA's batched LU (torch's choice for a batch of more than 16 matrices) stages pointers in host memory, which a
+    capture cannot hold.
+    """
+    previous = torch.backends.cuda.preferred_linalg_library()
+    torch.backends.cuda.preferred_linalg_library("cusolver")
+    try:
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                run()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                run()
+            torch.cuda.current_stream().wait_stream(stream)
+    finally:
+        torch.backends.cuda.preferred_linalg_library(previous)
     return graph.replay
 
 
-# device type -> how a step is captured there, ``capture(run, device) -> replay``. The tests add a stand-in for the
-# CPU that records the aten ops and replays them on the same tensors, as a CUDA graph does.
+# device type -> how a step is captured there, ``capture(run, device) -> replay``: ``run`` runs once (the step of
+# that iteration), then its kernels are captured without running. The tests add a stand-in for the CPU that records
+# the aten ops and replays them on the same tensors, as a CUDA graph does.
 GRAPH_BACKENDS: dict[str, Callable[[Callable[[], None], torch.device], Callable[[], None]]] = {"cuda": _capture_cuda}
-# Eager steps of a group before its step is captured: the first makes the state; the second runs every kernel once
-# outside a capture (cuBLAS and cuSOLVER set up their handles and workspaces on first use, which a capture forbids).
+# Eager steps of a group before its step is captured: the first makes the state, the second steps it as every later
+# step will (the capture's own run, the third, is then the warm-up on the capture stream).
 GRAPH_WARMUP_STEPS = 2
+# Captures of one group after which its step stays eager (with a warning): a group whose parameters get gradients on
+# some steps only, or whose state something replaces at every step, would otherwise be captured at every step.
+MAX_CAPTURES = 8
 
 
 def resolve_cuda_graph(cuda_graph: bool | None, params: list[torch.Tensor]) -> bool:
-    """Whether a group's step is captured: ``cuda_graph`` where given, else where its parameters are on a device with
-    a graph backend (:data:`GRAPH_BACKENDS`: CUDA). Row-sharded DTensors always step eagerly: their step all-reduces,
-    which a captured graph would have to replay in lockstep with every rank."""
-    if cuda_graph is False or any(is_dtensor(p) for p in params):
+    """Whether a group's step is captured: only where ``cuda_graph`` is True (None, the default, and False: eager).
+    The step captures on a device with a graph backend (:data:`GRAPH_BACKENDS`: CUDA), all of the group's parameters
+    on that one device and none row-sharded (FSDP2's DTensor step all-reduces, which a graph would have to replay in
+    lockstep with every rank); anything else is refused, not stepped eagerly behind the user's back."""
+    if cuda_graph is not True:
         return False
-    return cuda_graph is True or params[0].device.type in GRAPH_BACKENDS
+    devices = {p.device for p in params}
+    device = next(iter(devices))
+    if len(devices) > 1 or device.type not in GRAPH_BACKENDS or any(is_dtensor(p) for p in params):
+        raise ValueError(
+            f"cuda_graph=True is invalid for a group of {len(params)} parameter(s) on {sorted(map(str, devices))}"
+            f"{' (row-sharded DTensors)' if any(is_dtensor(p) for p in params) else ''}: a step is captured where "
+            f"every parameter of the group is on one {sorted(GRAPH_BACKENDS)} device and none is sharded. Set "
+            "cuda_graph to False (or leave it unset) there."
+        )
+    return True
 
 
 class _CapturedStep:
     """One group's :func:`cayley_adam` captured once and replayed at each step.
 
     A graph replays the same kernels on the same memory, so everything the step reads must stay where it was at the
-    capture: the parameters and their state (any change to them drops the capture, :func:`_captured_step`), the
-    gradients (copied into buffers of the capture's own, one multi-tensor copy: a trainer's ``zero_grad`` frees them
-    each step), and the learning rate and the periodic re-projection, which are device tensors written before each
-    replay, so a schedule changes them without a new capture.
+    capture: the parameters and their state (a tensor replaced drops the capture, :func:`_captured_step`; a write in
+    place is read in place), the gradients (copied into buffers of the capture's own, one multi-tensor copy: a
+    trainer's ``zero_grad`` frees them each step), and the learning rate and the periodic re-projection, which are
+    device tensors written before each replay, so a schedule changes them without a new capture. Made at the step it
+    is captured at, which it takes eagerly (the backend's run).
     """
 
     def __init__(
@@ -497,6 +529,8 @@ class _CapturedStep:
         params: list[torch.Tensor],
         grads: list[torch.Tensor],
         key: tuple,
+        lr: float,
+        reproject_all: bool,
     ) -> None:
         self.key = key
         device = params[0].device
@@ -504,6 +538,7 @@ class _CapturedStep:
         # fp64, so an fp64 group's algebra gets the rate exactly; an fp32 one rounds it as it rounds a Python float.
         self.lr = torch.zeros((), dtype=torch.float64, device=device)
         self.reproject_all = torch.zeros((), dtype=torch.bool, device=device)
+        self.fill(grads, lr, reproject_all)
         lists, settings = _step_arguments(optimizer, group, params)
         # The constants are made before the capture: made inside it, they would hold nothing until its first replay.
         betas = (settings["beta1"], settings["beta2"])
@@ -515,10 +550,13 @@ class _CapturedStep:
 
         self._replay = GRAPH_BACKENDS[device.type](run, device)
 
-    def replay(self, grads: list[torch.Tensor], lr: float | torch.Tensor, reproject_all: bool) -> None:
+    def fill(self, grads: list[torch.Tensor], lr: float | torch.Tensor, reproject_all: bool) -> None:
         torch._foreach_copy_(self.grads, grads)
         self.lr.fill_(lr)
         self.reproject_all.fill_(reproject_all)
+
+    def replay(self, grads: list[torch.Tensor], lr: float | torch.Tensor, reproject_all: bool) -> None:
+        self.fill(grads, lr, reproject_all)
         self._replay()
 
 
@@ -527,37 +565,39 @@ def _captured_step(
     group: dict[str, Any],
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
-    changed: bool,
-) -> _CapturedStep | None:
-    """The group's captured step to replay now, captured now if need be; None: step eagerly this time."""
+    replaced: bool,
+    reproject_all: bool,
+) -> bool:
+    """Take the group's step through its capture: replayed, or captured now (a capture runs the step once). False:
+    step eagerly this time (before the capture, or after a tensor it read was replaced: the next step captures)."""
+    if not resolve_cuda_graph(group["cuda_graph"], params) or id(group) in optimizer._eager_groups:
+        return False
     captures = optimizer._captures
-    if not resolve_cuda_graph(group["cuda_graph"], params):
-        if captures:
-            captures.pop(id(group), None)
-        return None
-    device = params[0].device
-    if device.type not in GRAPH_BACKENDS:
-        raise ValueError(
-            f"CayleyAdam's cuda_graph=True got parameters on {device}: a step can be captured on "
-            f"{sorted(GRAPH_BACKENDS)} only. Leave cuda_graph unset (None: captured where it can be) or set it to "
-            "False."
-        )
-    if changed or group["steps"] <= GRAPH_WARMUP_STEPS:
-        # A state made, cast, moved or rewritten holds other tensors than the capture read: step eagerly, capture at
-        # the next step.
-        captures.pop(id(group), None)
-        return None
     # What the capture depends on besides the tensors it reads in place: which parameters step, their gradients'
     # layout, and the group's settings other than lr.
     key = (
         tuple(map(id, params)),
         tuple((g.dtype, g.shape) for g in grads),
-        tuple(group[k] for k in _CAPTURED_GROUP_KEYS if k in group),
+        tuple(group[k] for k in _CAPTURED_GROUP_KEYS),
     )
     captured = captures.get(id(group))
-    if captured is None or captured.key != key:
-        captured = captures[id(group)] = _CapturedStep(optimizer, group, params, grads, key)
-    return captured
+    if replaced or group["steps"] <= GRAPH_WARMUP_STEPS or (captured is not None and captured.key != key):
+        captures.pop(id(group), None)
+        return False
+    if captured is not None:
+        captured.replay(grads, group["lr"], reproject_all)
+        return True
+    count = optimizer._capture_counts[id(group)] = optimizer._capture_counts.get(id(group), 0) + 1
+    if count > MAX_CAPTURES:
+        optimizer._eager_groups.add(id(group))
+        warnings.warn(
+            f"CayleyAdam: a group of {len(params)} lora_B was captured {MAX_CAPTURES} times (its parameters' "
+            "gradients or state keep changing) and steps eagerly from now on.",
+            stacklevel=4,
+        )
+        return False
+    captures[id(group)] = _CapturedStep(optimizer, group, params, grads, key, group["lr"], reproject_all)
+    return True
 
 
 # Group settings a captured step holds as they were at its capture (lr and the re-projection flag are tensors).
@@ -720,15 +760,15 @@ def _store_masters(params: list[torch.Tensor], masters: list[torch.Tensor | None
 def _finite_gradient(G: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``G`` with every inf and NaN replaced by ± the dtype's largest value. A skipped matrix's first moment m + 0·(G −
     m) is then m exactly, and the squared norm of the result still overflows to inf wherever ``G`` was not finite, so
-    one pass over ``G`` serves both (a finite ``G`` whose squared norm overflows is skipped as well, as before)."""
+    one pass over ``G`` serves both (a finite ``G`` whose squared norm overflows is skipped as well)."""
     big = torch.finfo(G.dtype).max
     return torch.nan_to_num(G, big, big, -big, out=out) if out is not None else G.nan_to_num_(big, big, -big)
 
 
-def _lerp_weights(grad_sq: torch.Tensor, constants: _Constants) -> torch.Tensor:
-    """``grad_sq``'s shape: 1 − β1 for a matrix whose gradient is finite (on this rank's rows), 0 for one that
-    skips."""
-    return torch.where(grad_sq < math.inf, constants.lerp_weight, constants.zero)
+def _lerp_weights(norm: torch.Tensor, constants: _Constants) -> torch.Tensor:
+    """``norm``'s shape: 1 − β1 for a matrix whose gradient norm (of this rank's rows) has a finite square, 0 for one
+    that skips: the one skip rule of both implementations (its square, ‖G‖², is what phase 2 reads)."""
+    return torch.where(norm <= _NORM_LIMITS[norm.dtype], constants.lerp_weight, constants.zero)
 
 
 # ---- phases 1 and 3 matrix by matrix, each in its own storage (the CPU's)
@@ -787,7 +827,6 @@ def _measure_per_matrix(
     blocks = torch.empty((3, n, r, r), dtype=dtype, device=device)
     outputs = zip(_slots(norms if E > 1 else norms.view(n), E), *(_slots(b, E) for b in blocks))
     scratch = torch.empty((d, r), dtype=dtype, device=device)  # a gradient made finite, where not a copy
-    limit = _NORM_LIMITS[dtype]
     carried = {"old_moments": [] if sharded else None, "blocks": [] if E > 1 else None}
     for B, m, G, (norm, btb, btm, mtm) in zip(points, moments, grads, outputs):
         view = E == 1 and G.dtype == dtype  # else _blocks copies
@@ -797,7 +836,7 @@ def _measure_per_matrix(
         if sharded:
             carried["old_moments"].append(M.clone())
         # m_{t+1}; a skipped matrix keeps m_t: m + 0·G
-        M.lerp_(G, torch.where(norm <= limit, constants.lerp_weight, constants.zero))
+        M.lerp_(G, _lerp_weights(norm, constants))
         B = _blocks(B, E, dtype)
         if E > 1:
             carried["blocks"].append((B, M))
@@ -866,13 +905,13 @@ def _measure_staged(
     stage = torch.empty(n * d * r, dtype=dtype, device=device)
     _gather(G, grads, stage, E)  # in the compute dtype
     _finite_gradient(G)
-    grad_sq = torch.linalg.vector_norm(G.view(n, -1), dim=-1).square()  # (n,) inf if any entry of G was not finite
+    norm = torch.linalg.vector_norm(G.view(n, -1), dim=-1)  # (n,): its square is inf if any entry of G was not finite
     _gather(P[..., :r], points, stage, E)
     _gather(P[..., r:], moments, stage, E)
     old_moments = P[..., r:].clone() if reduce_groups(params[0]) else None
-    P[..., r:].lerp_(G, _lerp_weights(grad_sq[:, None, None], constants))  # m_{t+1}
+    P[..., r:].lerp_(G, _lerp_weights(norm[:, None, None], constants))  # m_{t+1}
     _scatter(moments, P[..., r:], stage, E)
-    return P.mT @ P, grad_sq, {"old_moments": old_moments}  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
+    return P.mT @ P, norm.square(), {"old_moments": old_moments}  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
 
 
 def _update_staged(

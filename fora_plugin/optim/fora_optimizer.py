@@ -231,6 +231,11 @@ class FoRAOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         for group, master in zip(self.param_groups, masters):
             group["master_weights"] = master
+            if not master and not group["stiefel"]:
+                # A checkpoint of bf16 adapters resumed with fp32 ones: torch's AdamW steps them, and a saved master
+                # would stay in its state, stale, and be saved again at every checkpoint.
+                for p in group["params"]:
+                    self.state.get(p, {}).pop("master", None)
         restore_compute_state(self, state_dict)
         restore_master_state(self, state_dict)
         self._sync_delegates()

@@ -47,7 +47,8 @@ def follow_parameter(
 ) -> bool:
     """Bring ``p``'s state in line with ``p`` where something outside the step changed ``p`` since the step last
     wrote it (``last``, its :func:`signature` then; None if unknown, e.g. after ``load_state_dict``). Returns whether
-    anything was to be done.
+    ``p``'s storage or any tensor of its state is another one now: a step captured as a CUDA graph reads the old ones
+    and must be captured anew (a write in place, refreshed in place, leaves it valid).
 
     - Moved (``.to(device)``): the state moves with it, but for a ``host_keys`` entry kept on the host (torch's AdamW
       keeps its step count there).
@@ -56,8 +57,11 @@ def follow_parameter(
     - Written in place (``load_state_dict``, a user's edit): the master takes ``p``'s new values. Where ``p`` still
       equals the master rounded, the master's extra bits are kept, so a spurious refresh changes nothing.
     """
-    if last == signature(p):
+    now = signature(p)
+    if last == now:
         return False
+    replaced = last is None or last[1:] != now[1:]
+    tensors = {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
     device, dtype = p.device, compute_dtype(p)
     compute_keys, host_keys = set(compute_keys), set(host_keys)
     for key, value in list(state.items()):
@@ -79,7 +83,8 @@ def follow_parameter(
             local_rows(master).copy_(point)
     elif p.dtype != dtype:  # cast down from the compute dtype: the master starts from the values p holds now
         state["master"] = p.detach().to(dtype)
-    return True
+    now_tensors = {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+    return replaced or now_tensors.keys() != tensors.keys() or any(now_tensors[k] is not v for k, v in tensors.items())
 
 
 def restore_compute_state(
