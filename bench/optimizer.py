@@ -8,8 +8,8 @@ For each set of lora_B shapes it prints, side by side from one run:
   kept in ``bench/reference_cayley_adam.py``), Cayley-Adam on stacked storage whose views were the parameters (the
   step at ``--stacked-rev``, imported from git: issue 19's design, which issue 30 replaced because a parameter must
   own its storage), Cayley-Adam at ``--previous-rev`` (issue 30's copies of [B, m] into a buffer per bucket),
-  Cayley-Adam now (the device's default: matrix by matrix on the CPU; a dense buffer per bucket, captured as a CUDA
-  graph, on a GPU) and each of its implementations forced and eager, and the step's two essential batched matmuls
+  Cayley-Adam now (the defaults: eager, matrix by matrix on the CPU and a dense buffer per bucket on a GPU) and each
+  of its implementations forced, eager and on a GPU captured as a CUDA graph, and the step's two essential matmuls
   alone: the Gram matrix [B, m]ᵀ[B, m] and the update [B, m]·C of every shape bucket (about 16·r flops per entry);
 - kernel-running aten ops per step that the host dispatches, counted with a dispatch mode (views and other
   metadata-only ops are not kernels; a replayed CUDA graph's kernels are not dispatched), and on a GPU the CUDA
@@ -224,11 +224,15 @@ def bench_set(name: str, d_outs: dict[int, int], r: int, experts: int, rounds: i
         **{label: older([{"params": lora_b_set(d_outs, r, experts), **group}]) for label, older in OLDER.items()},
         "CayleyAdam now": CayleyAdam([{"params": lora_b_set(d_outs, r, experts), **group}]),
     }
-    # Each implementation forced and eager, whatever the device; "CayleyAdam now" takes the device's defaults.
+    # Each implementation forced, eager and (on a GPU) captured; "CayleyAdam now" takes the defaults.
     for implementation in IMPLEMENTATIONS:
-        optimizers[f"CayleyAdam now, {implementation.replace('_', ' ')}, eager"] = CayleyAdam(
-            [{"params": lora_b_set(d_outs, r, experts), **group}], implementation=implementation, cuda_graph=False
-        )
+        for cuda_graph in (False, True) if DEVICE.type == "cuda" else (False,):
+            label = f"CayleyAdam now, {implementation.replace('_', ' ')}, {'captured' if cuda_graph else 'eager'}"
+            optimizers[label] = CayleyAdam(
+                [{"params": lora_b_set(d_outs, r, experts), **group}],
+                implementation=implementation,
+                cuda_graph=cuda_graph,
+            )
     candidates = {label: opt.step for label, opt in optimizers.items()}
     candidates["essential matmuls alone"] = essential_matmuls(d_outs, r, experts)
     for run in candidates.values():  # warm-up: state made, stacks built, the captured step captured

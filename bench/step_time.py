@@ -482,15 +482,22 @@ def measure_all(
     steps: int,
     checkpointing: tuple[bool, ...] = (False, True),
     modes: tuple[str, ...] = MODES,
+    options: dict[str, tuple] | None = None,
     profile: Callable[[str, str, bool], int] = lambda mode, placement, ckpt: 0,
     live_memory: bool = False,
     clock: str = "wall",
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every row of the table; ``profile(mode, placement, checkpointing)`` gives the steps to profile after the
-    timed ones; ``on_row`` sees each row as it is done (to print or save it)."""
+    """Every row of the table; ``options``: mode -> its rows' FoRAConfig options; ``profile(mode, placement,
+    checkpointing)`` gives the steps to profile after the timed ones; ``on_row`` sees each row as it is done (to print
+    or save it)."""
     num_layers = setting.model_config().num_hidden_layers
-    grid = [Row(mode, placement, ckpt) for ckpt in checkpointing for mode, placement, _ in runs(num_layers, modes)]
+    options = options or {}
+    grid = [
+        Row(mode, placement, ckpt, options=options.get(mode, ()))
+        for ckpt in checkpointing
+        for mode, placement, _ in runs(num_layers, modes)
+    ]
     return measure_rows(
         setting,
         device,
@@ -628,15 +635,14 @@ def frozen_base(
 def find_row(
     rows: list[dict[str, Any]], mode: str, placement: str, checkpointing: bool, **fields: Any
 ) -> dict[str, Any] | None:
-    """The row of ``mode`` (lora and frozen: all layers), ``placement`` and ``checkpointing`` whose other :class:`Row`
-    fields are ``fields``, their defaults where not given."""
+    """The first row of ``mode`` (lora and frozen: all layers), ``placement`` and ``checkpointing`` whose other
+    :class:`Row` fields given in ``fields`` have those values."""
     placement = "all" if mode in ("lora", "frozen") else placement
-    wanted = {**ROW_DEFAULTS, **fields}
     for r in rows:
         if (r["mode"], r["placement"], r["checkpointing"]) != (mode, placement, checkpointing):
             continue
         # A row read back from JSON holds lists where it had tuples.
-        if all(_plain(r.get(key, default)) == _plain(wanted[key]) for key, default in ROW_DEFAULTS.items()):
+        if all(_plain(r.get(key, ROW_DEFAULTS[key])) == _plain(value) for key, value in fields.items()):
             return r
     return None
 
@@ -666,10 +672,10 @@ def format_ratio_table(rows: list[dict[str, Any]]) -> str:
         "| fora / fg-lora |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    kinds = {json.dumps(_plain({key: r.get(key, default) for key, default in ROW_DEFAULTS.items()})): r for r in rows}
+    kinds = {json.dumps(_plain(_kind(r))): r for r in rows}
     for ckpt in dict.fromkeys(r["checkpointing"] for r in rows):
         for example in kinds.values():
-            fields = {key: example.get(key, default) for key, default in ROW_DEFAULTS.items()}
+            fields = _kind(example)
             frozen = find_row(rows, "frozen", "all", ckpt, **fields)
             for placement in dict.fromkeys(r["placement"] for r in rows if r["placement"] != "all"):
                 lora, fg, fora = (find_row(rows, m, placement, ckpt, **fields) for m in MODES)
@@ -680,6 +686,12 @@ def format_ratio_table(rows: list[dict[str, Any]]) -> str:
                     f"| {_ms(fg)} | {_ms(fora)} | {_ratio(fora, lora)} | {_ratio(fora, fg)} |"
                 )
     return "\n".join(lines)
+
+
+def _kind(r: dict[str, Any]) -> dict[str, Any]:
+    """What a row is besides mode, placement and checkpointing, for the lines of a table: its Row fields but the
+    FoRAConfig options (which differ by mode within a line: fora's captured step on a GPU)."""
+    return {key: r.get(key, default) for key, default in ROW_DEFAULTS.items() if key != "options"}
 
 
 def _what(r: dict[str, Any]) -> str:
@@ -721,17 +733,7 @@ def format_optimizer_phase(rows: list[dict[str, Any]]) -> str:
     for fora in rows:
         if fora["mode"] != "fora":
             continue
-        key = (fora["placement"], fora["checkpointing"], fora.get("accumulation", 1), fora.get("data", "random"))
-        fg = next(
-            (
-                r
-                for r in rows
-                if r["mode"] == "fg-lora"
-                and (r["placement"], r["checkpointing"], r.get("accumulation", 1), r.get("data", "random")) == key
-                and r.get("options") == fora.get("options")
-            ),
-            None,
-        )
+        fg = find_row(rows, "fg-lora", fora["placement"], fora["checkpointing"], **_kind(fora))
         if fg is None:
             continue
         extra = fora["ms_optimizer"] - fg["ms_optimizer"]
