@@ -149,6 +149,8 @@ def _load_hub_dataset(name: str, config_name: str | None, split: str) -> Dataset
             "looked up in the current directory, then next to the config), or a hub dataset name on a machine with "
             "network access (or in the `datasets` cache)."
         ) from error
+    except ImportError:  # a package the dataset's loader needs: the environment's to fix
+        raise
     except Exception as error:  # what `datasets` raises for a name, config or split it has (ValueError, KeyError, ...)
         refuse(
             "dataset_name",

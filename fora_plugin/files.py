@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from .errors import FoRAInputError
-from .validation import check_text_file
+from .validation import check_file, check_text_file
 
 
 __all__ = ["check_chat_template", "read_chat_template"]
@@ -50,6 +50,7 @@ def check_chat_template(text: Any, where: str) -> str:
 
 
 def read_chat_template(path: str | os.PathLike, key: str) -> str:
-    """The chat template in the file ``path`` (UTF-8), compiled: a syntax error is refused naming ``key``, the file
-    and the line."""
+    """The chat template in the file ``path`` (UTF-8), compiled: a missing file, or a syntax error naming the file
+    and the line, is refused naming ``key``."""
+    check_file(path, key)
     return check_chat_template(check_text_file(path, key), f"{key} {os.fspath(path)}")

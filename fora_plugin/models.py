@@ -327,6 +327,8 @@ def load_model_config(model: Any, key: str = "model_name_or_path", trust_remote_
         check_model_config(path / "config.json" if path.is_dir() else path, key)
     try:
         config = AutoConfig.from_pretrained(str(path) if local else str(model), trust_remote_code=trust_remote_code)
+    except ImportError:  # a package the model's code needs: the environment's to fix, not the model name
+        raise
     except Exception as error:  # transformers' errors for a config are of many types (OSError, ValueError, KeyError)
         first = str(error).splitlines()[0] if str(error) else repr(error)
         if not local:
@@ -386,6 +388,8 @@ def load_tokenizer(path: str, key: str = "model_name_or_path", *, name: str | No
     shown = name if name is not None else path
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    except ImportError:  # sentencepiece, tiktoken, ...: the environment's to fix, not the tokenizer files
+        raise
     except Exception as error:  # about the tokenizer files the user gave, whatever type transformers raises
         first = str(error).splitlines()[0] if str(error) else repr(error)
         raise FoRAInputError(
@@ -424,6 +428,8 @@ def load_model(base: str, adapter: str | None = None, *, key: str = "--base", ad
 
         try:
             model = PeftModel.from_pretrained(model, adapter)
+        except torch.OutOfMemoryError:  # a RuntimeError too, but the device's, not the adapter's
+            raise
         except (OSError, ValueError, RuntimeError) as error:  # an adapter of another model: its shapes do not fit
             first = str(error).strip().splitlines()[0]
             refuse(

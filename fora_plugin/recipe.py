@@ -323,9 +323,14 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
         check_resumed_adapter(checkpoint, model_args, model_type)
     tokenizer = load_tokenizer(model_path, name=model_args.model_name_or_path, trust_remote_code=trust_remote_code)
     template = training_args.chat_template_path
-    if template is not None and str(template).endswith((".jinja", ".j2")) and Path(template).is_file():
-        # As TRL reads it (the template replaces the tokenizer's); compiled and tried on the rows here.
-        tokenizer.chat_template = read_chat_template(template, "chat_template_path")
+    if template is not None:
+        # As TRL reads it (the template replaces the tokenizer's): a .jinja/.j2 file (refused if it is missing or
+        # does not compile), else a tokenizer folder or model name whose template is cloned; tried on the rows here.
+        if str(template).endswith((".jinja", ".j2")):
+            tokenizer.chat_template = read_chat_template(template, "chat_template_path")
+        else:
+            source = load_tokenizer(str(template), "chat_template_path", trust_remote_code=trust_remote_code)
+            tokenizer.chat_template = source.chat_template
     # With the tokenizer, before the model: conversations the template cannot render, and rows that truncation
     # would leave without a completion token.
     check_chat_rows(train_dataset, tokenizer, script_args.dataset_name, f"model_name_or_path {model_path!r}")

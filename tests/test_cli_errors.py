@@ -912,6 +912,17 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
         r"chat_template_path .*chat\.jinja is not a valid Jinja template: .*\(line 1\)\. Fix the template there",
     ),
     (
+        "chat-template-path-a-missing-jinja-file",  # a typo: refused, not handed to TRL as a tokenizer name
+        lambda c: [
+            "train",
+            c.config(
+                dataset_name=c.file("chat.json", json.dumps([{"messages": t} for t in CHAT])),
+                chat_template_path=str(c.tmp / "chta.jinja"),
+            ),
+        ],
+        r"chat_template_path='.*chta\.jinja' is invalid",
+    ),
+    (
         "dataset-messages-as-strings",
         lambda c: [
             "train",
@@ -1234,6 +1245,18 @@ VALID: list[tuple[str, Callable[[Ctx], list[str]], Callable[[Ctx], bool]]] = [
         ),
     ),
     (
+        "chat-template-path-names-a-tokenizer-folder",  # TRL clones that tokenizer's template: the rows render with it
+        lambda c: [
+            "score",
+            c.config(
+                dataset_name=c.file("chat.json", json.dumps([{"messages": t} for t in CHAT])),
+                chat_template_path=c.model_variant(chat_template=STRICT_TEMPLATE),
+                output_dir=str(c.tmp / "scored"),
+            ),
+        ],
+        lambda c: scored(c.tmp / "scored"),
+    ),
+    (
         "dataset-save-to-disk-folder",  # issue 38, case 14: loaded with datasets.load_from_disk
         lambda c: ["score", c.config(dataset_name=c.save_to_disk(), output_dir=str(c.tmp / "scored"))],
         lambda c: scored(c.tmp / "scored"),
@@ -1295,6 +1318,7 @@ BEFORE_THE_MODEL = (
     "eval-task-without-an-answer-format",
     "eval-task-examples-without-answers",
     "cuda-graph-without-a-gpu",
+    "chat-template-path-a-missing-jinja-file",
 )
 
 
