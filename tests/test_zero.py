@@ -491,6 +491,24 @@ def test_zero_client_step_makes_no_host_sync():
     assert optimizer.last_grad_norm > 0.05  # read once, for a log: every step here was clipped
 
 
+def test_a_log_reads_the_zero_clients_gradient_norm_once():
+    # Seen before: twice (a host sync each), so a log under DeepSpeed made three host reads where one is the aim.
+    from host_sync import HostSyncCounter
+
+    from fora_plugin.wiring import FoRALogs, FoRASelection
+
+    model = small_model()
+    optimizer = build_zero_fora_optimizer(model, lr=1e-2, lr_stiefel=5e-2, max_grad_norm=0.05, fused=True)
+    source = NormSource()
+    optimizer.bind(source)
+    counted_zero_step(model, optimizer, source)
+    expected = optimizer.last_grad_norm
+    with HostSyncCounter() as syncs:
+        logs = FoRALogs(FoRASelection([0, 1], 2, "model.layers"))(model, optimizer)
+    assert syncs.count == 2, syncs.report()  # the drift and ΔW ranks in one read, the gradient norm in another
+    assert logs["grad_norm"] == pytest.approx(expected) and expected > 0.05
+
+
 def test_a_lora_b_without_gradient_on_any_rank_is_left_alone():
     # As CayleyAdam with p.grad None (and DDP's unused parameters): no momentum-only step, no step count.
     model = small_model()
