@@ -18,10 +18,12 @@ fp32, CPU ranks over gloo with ``DS_ACCELERATOR=cpu``, as the tests run DeepSpee
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -55,6 +57,9 @@ GOALS = {"drift": 1e-3, "reload_logits": 1e-3, "plan": 0.10, "plan_single": 0.05
 # Seconds after which no further run starts (the rest are recorded as skipped): this section's share of the one
 # 10-minute GPU call.
 BUDGET_S = {"cuda": 170.0, "cpu": 1200.0}
+# Seconds one launch may take before it is stopped (a hung collective must not eat the call): several times what one
+# takes (about 20 s on a GPU machine, 30 s on a 2-core CPU).
+LAUNCH_TIMEOUT_S = {"cuda": 120.0, "cpu": 600.0}
 # Learning rates above the shipped configs' (2e-4, 1e-3): 10 steps then move lora_B well beyond bf16's rounding, so
 # that the comparison with the single process can see a difference in the step.
 LEARNING_RATES = ("--learning_rate", "1e-3", "--fora_lr_stiefel", "2e-2")
@@ -227,15 +232,24 @@ def launch(commands: list[list[str]], env: dict[str, str], log: Path, timeout: f
     processes = []
     for command, path in zip(commands, logs):
         with open(path, "w") as file:
-            processes.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=file, stderr=subprocess.STDOUT))
+            # Its own session, stopped as a whole at the timeout: SIGTERM first, on which torchrun and accelerate stop
+            # their workers (each in a session of its own), then SIGKILL.
+            process = subprocess.Popen(
+                command, cwd=REPO, env=env, stdout=file, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            processes.append(process)
     codes = []
     for process in processes:
         try:
             codes.append(process.wait(timeout=max(1.0, timeout - (time.perf_counter() - started))))
         except subprocess.TimeoutExpired:
-            for p in processes:
-                p.kill()
-            codes.append(process.wait())
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                for other in processes:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(other.pid, sig)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=15)
+            process.wait()
             codes.append(124)
     tail = "\n".join(path.read_text(errors="replace")[-3000:] for path in logs)
     return max(codes), time.perf_counter() - started, tail
@@ -421,7 +435,8 @@ def run_all(device: torch.device, scale: Scale, root: Path, log=print, budget_s:
     (root / "references.json").write_text(json.dumps(spec))
     command = [sys.executable, "-m", "engine_probe", "--runs", str(root / "references.json")]
     log(f"  single-process runs: {shown(command)}")
-    code, seconds, tail = launch([command], child_env(device, root), root / "references", budget_s)
+    timeout = LAUNCH_TIMEOUT_S[device.type]
+    code, seconds, tail = launch([command], child_env(device, root), root / "references", 1.5 * timeout)
     for entry in spec:
         name, out = entry["name"], Path(entry["out"])
         rows[name] = {"kind": "single process", "line": shown([sys.executable, "-m", "engine_probe", *entry["argv"]])}
@@ -448,7 +463,7 @@ def run_all(device: torch.device, scale: Scale, root: Path, log=print, budget_s:
         if cpu and "fsdp" in engine.engine_config:
             extra["ENGINE_PROBE_FORCE_FSDP2"] = "1"
         row["line"] = shown(commands[0])
-        code, seconds, tail = launch(commands, child_env(device, out, **extra), out.with_suffix(""), budget_s)
+        code, seconds, tail = launch(commands, child_env(device, out, **extra), out.with_suffix(""), timeout)
         row["launch_seconds"] = seconds
         if code != 0 or not (out / "probe.json").exists():
             row.update(status="error", exit_code=code, error=tail[-4000:])
