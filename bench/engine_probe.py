@@ -126,7 +126,7 @@ class Probe(TrainerCallback):
     def __init__(self, trainer, out: Path) -> None:
         self.trainer, self.out = trainer, out
         self.cuda = trainer.args.device.type == "cuda"
-        self.timer = StepTimer(trainer.args.device)
+        self.timer = StepTimer(trainer.args.device)  # bench/step_time.py's, a callback of the trainer beside this one
         self.step_syncs = SyncRegions(self.cuda)
         self.log_syncs = SyncRegions(self.cuda)
         self.result: dict[str, Any] = {}
@@ -163,15 +163,6 @@ class Probe(TrainerCallback):
 
         trainer.training_step = recorded_step
         self.lora_begin = gathered_lora(trainer.model)
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.timer.on_step_begin(args, state, control)
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.timer.on_pre_optimizer_step(args, state, control)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.timer.on_step_end(args, state, control)
 
     def on_train_end(self, args, state, control, **kwargs):
         trainer = self.trainer
@@ -240,6 +231,7 @@ def probed(build_trainer, out: Path, probes: list[Probe]):
             force_fsdp2(trainer)
         probe = Probe(trainer, out)
         trainer.add_callback(probe)
+        trainer.add_callback(probe.timer)
         probes.append(probe)
         return trainer
 
