@@ -28,6 +28,7 @@ f. ``qfora``: the 3B config saved with random bf16 weights, loaded as NF4 by bit
 g. ``cli_train``: ``fora train`` through the command line on a 4-layer random Llama saved to a folder (with the
    tests' character tokenizer), the bundled Alpaca sample, bf16 with checkpointing: the loss falls, the adapter is
    saved, and PeftModel.from_pretrained reloads it to the logits its saved weights give.
+h. ``engines``: bench/engines.py: ``fora train`` under ZeRO-2, ZeRO-3, QFoRA + ZeRO-2 and FSDP2 against one process.
 
     python bench/gpu.py --device cuda --out "$OUT"      # one H100/H200: about 5 minutes
     python bench/gpu.py --device cpu --tiny            # every section at tiny shapes; CUDA-only parts skipped
@@ -65,6 +66,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent / "tests"))  # tests/host_sync.py: the host-sync counter the tests use too
 
+import engines  # noqa: E402  (bench/engines.py: section (h))
 import step_time  # noqa: E402  (bench/step_time.py: the rows of (a), and the trainers of (c), (d), (f))
 from step_time import GIB, MODES, REPO, TARGETS, Setting  # noqa: E402
 
@@ -79,6 +81,7 @@ SECTIONS = (
     "cli_train",
     "qfora",
     "memory_peak",
+    "engines",
     "plan",
 )
 PACKAGES = (
@@ -1296,6 +1299,7 @@ SECTION_FUNCTIONS = {
     "cli_train": section_cli_train,
     "qfora": section_qfora,
     "memory_peak": section_memory_peak,
+    "engines": engines.section,
     "plan": section_plan,
 }
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from peft.tuners.lora import LoraLayer
 from torch import nn
 from transformers import Trainer, TrainerCallback
+from transformers.training_args import ParallelMode
 from transformers.utils import strtobool
 
 from .config import FoRAConfig
@@ -41,6 +42,7 @@ __all__ = [
     "fsdp_setting",
     "gathered_adapters",
     "init_sharded_stiefel_state",
+    "launched",
     "prepare_fsdp2",
 ]
 
@@ -87,9 +89,9 @@ def check_fsdp(args: Any, fora: FoRAConfig) -> int | None:
             '{"version": 2}, or fsdp_version: 2 in the accelerate config: example_configs/accelerate/'
             "fsdp2_8gpu.yaml), DeepSpeed ZeRO-1/2, or mode='lora'."
         )
-    if getattr(args, "world_size", 1) < 2:
+    if not launched(args):
         # HF refuses it too, but only once accelerate has been set up (which leaves ACCELERATE_USE_FSDP in the
-        # environment of the process).
+        # environment of the process). One launched rank is a run FSDP2 shards (onto one GPU): it is taken.
         raise FoRAInputError(
             f"{described} cannot be combined with mode={fora.mode!r} in a single process: FSDP2 shards the model "
             "across processes. Launch with torchrun or accelerate launch (example_configs/accelerate/"
@@ -103,6 +105,12 @@ def check_fsdp(args: Any, fora: FoRAConfig) -> int | None:
         loading = os.environ.get(name)
     check_weights_on_every_rank(loading, fora, name)
     return version
+
+
+def launched(args: Any) -> bool:
+    """Whether the training arguments run in a launcher's process group (HF's ``ParallelMode.DISTRIBUTED``), of any
+    size: ``torchrun --nproc_per_node 1`` and ``accelerate launch --num_processes 1`` do, a plain process does not."""
+    return getattr(args, "parallel_mode", None) == ParallelMode.DISTRIBUTED
 
 
 def _scores_here(fora: FoRAConfig) -> bool:

@@ -529,9 +529,10 @@ class FoRALogs:
             drifts = _drifts(model, client.stiefel if client is not None else optimizer, points)
             max_drift, mean_rank = read_adapter_diagnostics(model, drifts)
         logs = {"fora/max_orthogonality_error": max_drift, "fora/mean_effective_rank": mean_rank}
-        if client is not None and client.last_grad_norm is not None:
+        grad_norm = client.last_grad_norm if client is not None else None  # a host read: once
+        if grad_norm is not None:
             # DeepSpeed reports the norm of the partitioned lora_A gradients only; FoRA clipped by this one.
-            logs["grad_norm"] = client.last_grad_norm
+            logs["grad_norm"] = grad_norm
         if not self._selection_logged:
             trainable = sum(self.selection.trainable_parameters.values())
             logs["fora/layers_adapted"] = len(self.selection.chosen)

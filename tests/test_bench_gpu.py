@@ -1,5 +1,5 @@
 """bench/gpu.py, the one-call GPU bench of issue 26, in its tiny CPU mode: every section runs (or says it needs
-CUDA), so the script cannot rot between the sessions that have a GPU."""
+CUDA), so the script cannot rot between the sessions that have a GPU; bench/engines.py is its ``engines`` section."""
 
 import json
 import math
@@ -41,6 +41,7 @@ def test_every_section_ran_or_says_it_needs_cuda(report):
         "cli_train": "ok",
         "qfora": "skipped",
         "memory_peak": "skipped",
+        "engines": "ok",
         "plan": "ok",
     }
     assert sections["qfora"]["reason"].startswith("skipped: needs CUDA")
@@ -151,6 +152,43 @@ def test_scoring_syncs_optimizer_and_cli_sections_hold_their_measurements(report
     assert cli["adapted_layers"] == cli["chosen_layers"] and len(cli["chosen_layers"]) == 2
     assert cli["reloads_to_same_logits"] and cli["reload_vs_base_max_abs"] > 1e-3  # the adapter changes the model
     assert cli["max_saved_b_drift"] < 1e-3
+
+
+@pytest.mark.slow
+def test_every_engine_trains_as_one_process_does_and_its_adapter_reloads(report):
+    """bench/engines.py's tiny CPU mode (CPU ranks over gloo, DS_ACCELERATOR=cpu): every engine ran through its launch
+    line, equals the single-process run within the stated tolerance, and its saved adapter reloads."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import engines
+
+    rows = report["sections"]["engines"]["rows"]
+    names = [*engines.REFERENCES, *(e.name for e in engines.ENGINES)]
+    assert {name: row["status"] for name, row in rows.items()} == dict.fromkeys(names, "ok"), rows
+    # (ZeRO stage, FSDP version, type of lora_B in the module) of each engine as it ran
+    ran = {
+        "ZeRO-2": (2, None, "Parameter"),
+        "ZeRO-3": (3, None, "Parameter"),
+        "QFoRA, ZeRO-2": (2, None, "Parameter"),
+        "FSDP2": (0, 2, "DTensor"),
+        "ZeRO-2, 2 ranks on one device, gloo": (2, None, "Parameter"),
+    }
+    for engine in engines.ENGINES:
+        row = rows[engine.name]
+        assert (row["deepspeed_stage"], row["fsdp_version"], row["lora_b_type"]) == ran[engine.name]
+        assert (row["world_size"], row["backend"]) == (engine.ranks, "gloo")
+        same = row["against_reference"]
+        # QFoRA's adapters are bf16 (TRL's QLoRA setup) on the CPU too; the rest run in fp32 here.
+        assert same["precision"] == ("bf16" if engine.config == engines.QFORA else "fp32")
+        assert same["same_layers"] and same["lora_b_start_error"] <= same["tolerance"]
+        assert same["loss_error"] <= same["tolerance"] and same["lora_b_error"] <= same["tolerance"], same
+        assert same["lora_b_moved"] > 10 * max(same["lora_b_error"], same["tolerance"] / 100)  # 10 steps moved B
+        reload = row["reload"]
+        assert reload["saved_vs_in_process"] == 0 and reload["reload_vs_merged"] < engines.GOALS["reload_logits"]
+        assert reload["reload_vs_base"] > 0.01  # the trained adapter changes the model
+        assert row["fora_syncs_per_step"] == 0, row["sync_sites"]
+        assert row["max_drift_logged"] < engines.GOALS["drift"]
+        assert row["plan"]["step_bytes"] > 0 and row["plan"]["gpus"] == engine.ranks
+    assert "| ZeRO-3 | single | 1.0e-05 (fp32) |" in report["sections"]["engines"]["text"]
 
 
 def test_peak_sites_replays_an_allocator_trace_to_its_peak():

@@ -11,6 +11,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from test_trainer import LAYERS, VOCAB
 from test_zero import one_ulp_from, torchrun
+from transformers.training_args import ParallelMode
 
 from fora_plugin import FoRAConfig, build_fora_optimizer, make_stiefel
 from fora_plugin.fsdp import (
@@ -219,8 +220,8 @@ def fake_trainer(model):
 
 
 def test_fsdp1_is_refused_and_fsdp2_is_taken(monkeypatch):
-    def args(world_size=2, **fsdp_config):
-        return SimpleNamespace(fsdp=True, fsdp_config=fsdp_config, world_size=world_size)
+    def args(world_size=2, mode=ParallelMode.DISTRIBUTED, **fsdp_config):
+        return SimpleNamespace(fsdp=True, fsdp_config=fsdp_config, world_size=world_size, parallel_mode=mode)
 
     with pytest.raises(ValueError, match=r"fsdp=True \(FSDP1, .*cannot be combined with mode='fora': FSDP1 flattens"):
         check_fsdp(args(version=1), FORA)
@@ -228,7 +229,10 @@ def test_fsdp1_is_refused_and_fsdp2_is_taken(monkeypatch):
     assert check_fsdp(args(version=1), FoRAConfig(mode="lora")) == 1
     assert check_fsdp(SimpleNamespace(fsdp=False, fsdp_config=None), FORA) is None
     with pytest.raises(ValueError, match=r"\(FSDP2, .*cannot be combined with mode='fora' in a single process"):
-        check_fsdp(args(world_size=1, version=2), FORA)
+        check_fsdp(args(world_size=1, mode=ParallelMode.NOT_PARALLEL, version=2), FORA)
+    # One launched rank (`torchrun --nproc_per_node 1`, `accelerate launch --num_processes 1`: FSDP2 on one GPU) is
+    # a run FSDP2 shards; it was refused as a single process.
+    assert check_fsdp(args(world_size=1, version=2), FORA) == 2
     # Scoring runs on every rank before sharding: the weights must be loaded on every rank.
     one_rank_loading = args(version=2, cpu_ram_efficient_loading="true")
     with pytest.raises(ValueError, match=r"cpu_ram_efficient_loading=True loads the weights on the first rank only"):

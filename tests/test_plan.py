@@ -418,6 +418,8 @@ def test_fsdp2_adds_the_unsharded_root_to_two_gathered_layers(tmp_path):
     assert sharded.peak["transient"] == single.peak["transient"] + 2 * layer + root
     assert sharded.peak["weights"] == -(-single.peak["weights"] // 4)
     assert any("the root (embeddings, norm, head)" in note for note in result["notes"])
+    # FSDP2 on one GPU (one launched rank) is planned too, as FSDP2 (it was refused as a single process).
+    assert plan_setup(config, fsdp, gpus=1).engine == "fsdp2"
 
 
 def test_fsdp2_peaks_at_the_first_all_gather_when_the_rest_of_the_step_holds_less(tmp_path):

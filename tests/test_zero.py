@@ -491,6 +491,24 @@ def test_zero_client_step_makes_no_host_sync():
     assert optimizer.last_grad_norm > 0.05  # read once, for a log: every step here was clipped
 
 
+def test_a_log_reads_the_zero_clients_gradient_norm_once():
+    # Seen before: twice (a host sync each), so a log under DeepSpeed made three host reads where one is the aim.
+    from host_sync import HostSyncCounter
+
+    from fora_plugin.wiring import FoRALogs, FoRASelection
+
+    model = small_model()
+    optimizer = build_zero_fora_optimizer(model, lr=1e-2, lr_stiefel=5e-2, max_grad_norm=0.05, fused=True)
+    source = NormSource()
+    optimizer.bind(source)
+    counted_zero_step(model, optimizer, source)
+    expected = optimizer.last_grad_norm
+    with HostSyncCounter() as syncs:
+        logs = FoRALogs(FoRASelection([0, 1], 2, "model.layers"))(model, optimizer)
+    assert syncs.count == 2, syncs.report()  # the drift and ΔW ranks in one read, the gradient norm in another
+    assert logs["grad_norm"] == pytest.approx(expected) and expected > 0.05
+
+
 def test_a_lora_b_without_gradient_on_any_rank_is_left_alone():
     # As CayleyAdam with p.grad None (and DDP's unused parameters): no momentum-only step, no step count.
     model = small_model()
@@ -776,7 +794,8 @@ def test_every_supported_scheduler_moves_the_zero_clients_stiefel_lr_with_lora_a
 @pytest.fixture(scope="module")
 def zero3_cli_run(tmp_path_factory):
     """``torchrun --nproc_per_node 2 -m fora_plugin.cli train example_configs/quickstart.yaml --model_name_or_path
-    <tiny Llama> --deepspeed example_configs/deepspeed/zero3.json``, as docs/distributed.md gives it, 2 steps."""
+    <tiny Llama> --deepspeed example_configs/deepspeed/zero3.json``, as docs/distributed.md gives it, 2 steps, with
+    activation checkpointing on as in the paper's configs (non-reentrant: transformers' default)."""
     pytest.importorskip("deepspeed")
     root = tmp_path_factory.mktemp("zero3_cli")
     tiny_llama(4, vocab_size=99).save_pretrained(root / "model")
@@ -796,6 +815,8 @@ def zero3_cli_run(tmp_path_factory):
         "2",
         "--fora_fisher_batches",
         "2",
+        "--activation_checkpointing",
+        "true",
     )
     return root
 
@@ -804,7 +825,9 @@ def zero3_cli_run(tmp_path_factory):
 def test_the_readme_zero3_cli_launch_trains_and_saves_a_plain_peft_adapter(zero3_cli_run):
     # Seen before: it died in deepspeed.zero.Init inside TRL's from_pretrained ("train_batch_size is not equal to
     # micro_batch_per_gpu * gradient_acc_step * world_size 4 != 2 * 1 * 1"): DeepSpeed's comm layer, not yet set
-    # up on CPU ranks, counted 1 rank where HF counted 2.
+    # up on CPU ranks, counted 1 rank where HF counted 2. And in the first backward with checkpointing ("Recomputed
+    # values for the following tensors have different metadata"): the scoring engine's backward hooks stayed on the
+    # modules, so the training engine's recomputed layers found their weights released.
     import json
 
     from safetensors.torch import load_file

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import yaml
 from huggingface_hub import try_to_load_from_cache
+from transformers.training_args import ParallelMode
 from trl import get_peft_config
 
 from .. import config as fora_config
@@ -209,11 +210,11 @@ def _axolotl_as_trl(cfg: dict[str, Any]) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class _FSDPArgs:
-    """The fields of TrainingArguments that fsdp.check_fsdp reads, with the planned world size."""
+    """The fields of TrainingArguments that fsdp.check_fsdp reads, as for the planned run (a launched one)."""
 
     fsdp: Any
     fsdp_config: dict[str, Any]
-    world_size: int
+    parallel_mode: ParallelMode = ParallelMode.DISTRIBUTED
 
 
 def plan_setup(
@@ -263,7 +264,7 @@ def plan_setup(
         engine = f"zero{stage}" if stage else engine
     if fsdp:
         fsdp_config = dict(fsdp.get("fsdp_config") or {})
-        args = _FSDPArgs(fsdp=fsdp.get("fsdp") or "full_shard", fsdp_config=fsdp_config, world_size=gpus)
+        args = _FSDPArgs(fsdp=fsdp.get("fsdp") or "full_shard", fsdp_config=fsdp_config)
         version = check_fsdp(args, fora)
         if version != 2:
             raise FoRAInputError(

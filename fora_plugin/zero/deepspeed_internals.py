@@ -36,6 +36,8 @@ __all__ = [
     "zero_grad_norm",
 ]
 
+# What a ZeRO-3 engine leaves on each module for its backward hooks (DeepSpeed's parameter_offload.py), bound to it.
+_ZERO3_MODULE_STATE = ("pre_bwd_fn", "post_bwd_fn", "applied_pre_backward_ref_cnt")
 # What FoRA's clients read from DeepSpeed's ZeRO optimizer (engine.optimizer), by stage.
 _OPTIMIZER_ATTRIBUTES = {
     1: ("_global_grad_norm", "clip_grad"),
@@ -140,7 +142,14 @@ def init_deepspeed_comm() -> None:
 @contextlib.contextmanager
 def engine_without_optimizer(model: torch.nn.Module, config: dict[str, Any]) -> Iterator[Any]:
     """A DeepSpeed engine on ``model`` built with no optimizer (its ZeRO-3 hooks gather the weights for forward and
-    backward); on exit its hooks come off (``engine.destroy()``). Yields the engine."""
+    backward); on exit its hooks come off (``engine.destroy()``), and so do the autograd Functions its hooks left on
+    every module. Yields the engine.
+
+    ZeRO-3 puts a pre- and a post-backward Function on each module (``pre_bwd_fn``, ``post_bwd_fn``), bound to the
+    engine that made them, and a later engine keeps the ones it finds: the training engine's backward would then
+    fetch the weights through this destroyed engine's coordinator, and a layer recomputed by non-reentrant activation
+    checkpointing would find its weights released (torch's CheckpointError, "Recomputed values ... have different
+    metadata": shape [0] for the weight). Removing them lets the next engine make its own."""
     import deepspeed
 
     engine, *_ = deepspeed.initialize(model=model, config=config)
@@ -148,3 +157,6 @@ def engine_without_optimizer(model: torch.nn.Module, config: dict[str, Any]) -> 
         yield engine
     finally:
         engine.destroy()
+        for module in model.modules():
+            for name in _ZERO3_MODULE_STATE:
+                module.__dict__.pop(name, None)
