@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .optim import REPROJECT_THRESHOLD, CayleyAdam, FoRAOptimizer, wrapped_optimizers
+from .optim import REPROJECT_THRESHOLD, CayleyAdam, FoRAOptimizer, counter_totals, wrapped_optimizers
 from .validation import check_float
 
 
@@ -36,11 +36,11 @@ FIXES = (
 def stiefel_counters(optimizer: Any) -> dict[str, int] | None:
     """FoRA's Cayley-Adam ``skipped_steps`` and ``reprojections`` totals, through the wrappers a trainer puts around
     its optimizer (accelerate's ``AcceleratedOptimizer``, DeepSpeed's ZeRO optimizer and FoRA's ZeRO client); None
-    when no Cayley-Adam is found. One host sync per counter."""
+    when no Cayley-Adam is found. One host sync for both."""
     for wrapper in wrapped_optimizers(optimizer):
         for candidate in (wrapper, getattr(wrapper, "stiefel", None)):
             if isinstance(candidate, (CayleyAdam, FoRAOptimizer)):
-                return {"skipped_steps": candidate.skipped_steps(), "reprojections": candidate.reprojections()}
+                return counter_totals(candidate)
     return None
 
 

@@ -156,6 +156,19 @@ def test_counters_are_found_inside_a_zero_client_like_wrapper():
     assert stiefel_counters(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)) is None
 
 
+def test_both_counters_are_read_back_in_one_host_sync():
+    # A log must cost at most one read of the device (issue 37): the two counters come back together.
+    model = stiefel_lora_model()
+    optimizer = build_fora_optimizer(model)
+    gen = torch.Generator().manual_seed(3)
+    for p in optimizer.stiefel_groups[0]["params"]:
+        p.grad = torch.randn(p.shape, generator=gen)
+    optimizer.step()
+    with HostSyncCounter() as syncs:
+        counters = stiefel_counters(AcceleratedLike(optimizer))
+    assert counters == {"skipped_steps": 0, "reprojections": 0} and syncs.count == 1, syncs.report()
+
+
 def test_bad_monitor_settings_are_refused_by_name():
     with pytest.raises(ValueError, match=r"orthogonality_threshold=nan is invalid"):
         DivergenceMonitor(orthogonality_threshold=float("nan"))

@@ -40,7 +40,7 @@ __all__ = [
     "bucket_key",
     "cayley_adam",
     "check_cayley_adam_settings",
-    "counter_total",
+    "counter_totals",
     "init_cayley_adam_state",
     "resolve_cuda_graph",
     "resolve_implementation",
@@ -319,19 +319,24 @@ class CayleyAdam(Optimizer):
 
     def skipped_steps(self) -> int:
         """Matrix steps skipped for a non-finite gradient so far, over all parameters (one host sync)."""
-        return counter_total(self, "skipped_steps")
+        return counter_totals(self, ("skipped_steps",))["skipped_steps"]
 
     def reprojections(self) -> int:
         """Matrices re-projected onto the manifold for drifting too far so far, over all parameters (one host sync).
         Periodic ``qr_period`` re-projections are not counted."""
-        return counter_total(self, "reprojections")
+        return counter_totals(self, ("reprojections",))["reprojections"]
 
 
-def counter_total(optimizer: Optimizer, key: str) -> int:
-    """The state counter ``key`` (``"skipped_steps"``, ``"reprojections"``) summed over every Stiefel matrix of
-    ``optimizer`` (one host sync); 0 before the first step."""
-    counts = [s[key].sum() for s in optimizer.state.values() if key in s]
-    return int(torch.stack(counts).sum()) if counts else 0
+def counter_totals(optimizer: Optimizer, keys: Iterable[str] = ("skipped_steps", "reprojections")) -> dict[str, int]:
+    """Each state counter of ``keys`` summed over every Stiefel matrix of ``optimizer``, read back in one host sync
+    (a log reads them all); 0 before the first step."""
+    sums = []
+    for key in keys:
+        counts = [s[key].sum() for s in optimizer.state.values() if key in s]
+        sums.append(torch.stack(counts).sum() if counts else None)
+    present = [t for t in sums if t is not None]
+    values = iter(torch.stack(present).tolist() if present else [])
+    return {key: 0 if t is None else int(next(values)) for key, t in zip(keys, sums)}
 
 
 def restore_compute_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:

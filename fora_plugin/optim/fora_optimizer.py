@@ -20,7 +20,7 @@ from torch.optim.adam import adam
 
 from ..adapter import stiefel_num_experts, stiefel_parameters
 from ..errors import FoRAInputError, FoRAInputTypeError
-from .cayley_adam import REPROJECT_THRESHOLD, CayleyAdam, counter_total, restore_compute_state
+from .cayley_adam import REPROJECT_THRESHOLD, CayleyAdam, counter_totals, restore_compute_state
 from .dtensor import local_rows
 from .masters import compute_dtype, follow_parameter, signature
 from .masters import restore_compute_state as restore_state
@@ -259,11 +259,11 @@ class FoRAOptimizer(Optimizer):
 
     def skipped_steps(self) -> int:
         """Stiefel matrix steps skipped for a non-finite gradient so far (one host sync)."""
-        return counter_total(self, "skipped_steps")
+        return counter_totals(self, ("skipped_steps",))["skipped_steps"]
 
     def reprojections(self) -> int:
         """Stiefel matrices re-projected for drifting from the manifold so far (one host sync)."""
-        return counter_total(self, "reprojections")
+        return counter_totals(self, ("reprojections",))["reprojections"]
 
 
 def _delegate_kind(group: dict[str, Any]) -> str:
