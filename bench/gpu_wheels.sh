@@ -5,6 +5,8 @@
 #   bash bench/gpu_wheels.sh --bitsandbytes               # and bitsandbytes, for QFoRA on CUDA (+7 MB, see below)
 #   bash bench/gpu_wheels.sh --bitsandbytes --deepspeed   # and DeepSpeed with what it imports (+5 MB): bench/engines.py
 #
+# liger-kernel travels always (0.9 MB, pure Python: its Triton kernels compile on the GPU): the fast_path rows.
+#
 # Why each: the image (Python 3.12, torch 2.11 + CUDA 13, accelerate 1.15) has no trl, datasets, dill,
 # multiprocess, bitsandbytes or deepspeed; its transformers (5.17 when last read) is below the project's floor 5.20.1
 # and below 5.23, which `fora train`'s `activation_checkpointing` key needs; its peft version is unread, so 0.21.2
@@ -31,7 +33,8 @@ set -euo pipefail
 
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-WHEELS=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 transformers==5.24.0 peft==0.21.2)
+WHEELS=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 transformers==5.24.0 peft==0.21.2
+    liger-kernel==0.8.5)
 DEEPSPEED=0
 for flag in "$@"; do
     case $flag in
