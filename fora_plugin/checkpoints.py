@@ -1,6 +1,6 @@
 """A checkpoint a run resumes from: its saved LoRA adapter checked against the run's LoRA settings up front.
 
-May import: errors, targets, validation.
+May import: errors, files, targets, validation.
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import refuse
+from .files import read_json
 from .targets import fused_target_names
-from .validation import ADAPTER_CONFIG, read_json
+from .validation import ADAPTER_CONFIG
 
 
 __all__ = ["check_resumed_adapter"]

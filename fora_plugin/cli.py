@@ -4,7 +4,7 @@ A config is a ``trl sft`` config (``ScriptArguments`` + ``SFTConfig`` + ``ModelC
 (:class:`FoRAConfig`'s fields with a prefix). Any key can be overridden on the command line:
 ``fora train example_configs/quickstart.yaml --learning_rate 1e-4 --fora_layer_budget 4``.
 
-May import: ablate, config, errors, evaluation, logfilters, models, mt_bench, plan, plots, recipe, report,
+May import: ablate, config, errors, evaluation, files, logfilters, models, mt_bench, plan, plots, recipe, report,
 validation, wiring.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from . import __version__, mt_bench
 from .ablate import run_ablation
 from .config import FoRAArguments
-from .errors import FoRAInputError, path_refusal
+from .errors import FoRAInputError, path_refusal, refuse
 from .evaluation import (
     check_commonsense_examples,
     commonsense_accuracy,
@@ -32,6 +32,7 @@ from .evaluation import (
     mt_bench_judge_command,
     perplexity,
 )
+from .files import check_nonblank_text, check_output_folder, check_text_file, read_json
 from .logfilters import drop
 from .models import check_model, load_model
 from .plan import plan
@@ -41,12 +42,7 @@ from .report import adapter_report, kl_to_base, markdown_summary, plot_spectra
 from .validation import (
     check_adapter_folder,
     check_eval_arguments,
-    check_nonblank_text,
     check_number,
-    check_output_folder,
-    check_text_file,
-    read_json,
-    refuse,
 )
 from .wiring import SCORES_FILE, SCORES_PLOT, write_selection
 

@@ -22,7 +22,7 @@ from .checkpoints import check_resumed_adapter
 from .config import FoRAArguments
 from .data import check_chat_rows, check_rows_fit, load_train_dataset
 from .errors import FoRAInputError, path_refusal, refuse
-from .files import read_chat_template
+from .files import check_output_folder, check_text_file, read_chat_template, read_json
 from .fsdp import check_one_engine
 from .models import check_model, load_model_config, load_tokenizer, meta_model
 from .selection import check_layer_indices, resolve_layer_budget
@@ -35,10 +35,7 @@ from .validation import (
     check_list,
     check_lora_arguments,
     check_numbers,
-    check_output_folder,
-    check_text_file,
     check_training_arguments,
-    read_json,
     resolve_checkpoint,
     resumes,
 )

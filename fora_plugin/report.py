@@ -5,7 +5,7 @@ matrix), their entropy effective rank (Roy & Vetterli) and its ratio to r, ‖Δ
 model, KL(p_trained ‖ p_base) on held-out text. Works on any PEFT LoRA adapter, so FoRA and its baselines compare
 side by side.
 
-May import: diagnostics, errors, evaluation, plots, stiefel, targets, validation.
+May import: diagnostics, errors, evaluation, files, plots, stiefel, targets, validation.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from torch import nn
 from .diagnostics import delta_w_singular_values, effective_rank
 from .errors import FoRAInputError
 from .evaluation import eval_mode
+from .files import read_json
 from .plots import pyplot
 from .stiefel import orthogonality_error
 from .targets import layer_index
-from .validation import check_adapter_folder, check_selection_matches_adapter, read_json
+from .validation import check_adapter_folder, check_selection_matches_adapter
 
 
 __all__ = [

@@ -17,14 +17,12 @@ import difflib
 import json
 import math
 import os
-import tempfile
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import FoRAInputError, path_refusal, refuse
+from .errors import FoRAInputError, refuse
 
 
 __all__ = [
@@ -43,26 +41,18 @@ __all__ = [
     "check_block",
     "check_checkpoint",
     "check_choice",
-    "check_completions",
     "check_eval_arguments",
-    "check_file",
     "check_float",
     "check_int",
-    "check_json_rows_file",
     "check_known_keys",
     "check_list",
     "check_lora_arguments",
-    "check_nonblank_text",
     "check_number",
     "check_numbers",
-    "check_output_folder",
     "check_selection_matches_adapter",
-    "check_text_file",
     "check_training_arguments",
     "is_integer",
     "is_real",
-    "json_error_position",
-    "read_json",
     "resolve_checkpoint",
     "resumes",
     "suggestion",
@@ -343,47 +333,6 @@ def check_block(block: Any, known: Iterable[str], where: str, *, lists: Iterable
 
 
 # ------------------------------------------------------------------------------------------------------- paths
-def check_output_folder(path: str | os.PathLike, key: str) -> None:
-    """Refuse an output folder that is a file, or that cannot be created or written to, before any work.
-
-    Writability is tried, not guessed from permission bits (which say nothing for root or read-only mounts): an
-    unnamed temporary file in the folder, or in its nearest existing parent, which leaves no trace.
-    """
-    try:
-        _check_output_folder(Path(path).expanduser(), str(path), key)
-    except OSError as error:  # a path too long, or under a file: the operating system's refusal, named
-        raise (path_refusal(error, key) or error) from None
-
-
-def _check_output_folder(folder: Path, path: str, key: str) -> None:
-    if folder.exists() and not folder.is_dir():
-        raise FoRAInputError(
-            f"{key}={str(path)!r} is a file, not a folder: the outputs (adapter, checkpoints, fora_scores.json, "
-            "results) go into a folder. Give a new or existing folder's path."
-        )
-    existing = folder
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        refuse(key, path, f"{existing} is a file, so no folder can be made under it", "Give a folder's path.")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as error:
-        refuse(
-            key,
-            path,
-            f"{existing} is not writable ({error.strerror or error})",
-            "Give a folder you can write to, or fix its permissions.",
-        )
-
-
-def check_file(path: str | os.PathLike | None, key: str) -> None:
-    """Refuse a path that is not an existing file."""
-    if path is not None and not Path(path).is_file():
-        refuse(key, str(path), "it is not a file", "Give the path of an existing file.")
-
-
 # ``resume_from_checkpoint`` values that mean "start afresh" and "the last checkpoint in output_dir": YAML and the
 # command line give strings, Python gives bools.
 RESUME_OFF = (None, False, "", "false", "False")
@@ -520,110 +469,3 @@ def check_selection_matches_adapter(selection_file: str | os.PathLike, adapted_l
             f"{sorted(adapted_layers)}: the selection files belong to another run. Remove {file.name} and "
             f"{file.with_suffix('.png').name} there (or run `fora score` with this run's config to write them again)."
         )
-
-
-# -------------------------------------------------------------------------------------------------------- data
-def check_text_file(path: str | os.PathLike, key: str | None = None) -> str:
-    """The UTF-8 text of ``path``: every reading of a user's text file goes through here. A file that is not UTF-8
-    is refused naming the file, the first bad byte and its line (as ``key``'s value when given); so is a path the
-    operating system refuses (too long, no permission)."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as error:
-        raise (path_refusal(error, key) or error) from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        bad = error
-    line = data[: bad.start].count(b"\n") + 1
-    problem = f"the file is not UTF-8 text (byte 0x{data[bad.start]:02x} on line {line} is not valid UTF-8)"
-    fix = "Save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8 in.json > out.json`)."
-    if key is None:
-        raise FoRAInputError(f"{path}: {problem}. {fix}")
-    refuse(key, str(path), problem, fix)
-
-
-def check_nonblank_text(path: str | os.PathLike, key: str) -> str:
-    """The UTF-8 text of ``path`` (:func:`check_text_file`), refused when it holds nothing but whitespace: a text to
-    score (perplexity, KL) is checked before the model loads, not found empty after."""
-    text = check_text_file(path, key)
-    if not text.strip():
-        refuse(
-            key,
-            str(path),
-            "the file is empty (or holds only whitespace): there is no text to score",
-            "Give a text file, e.g. WikiText-2's wiki.test.raw.",
-        )
-    return text
-
-
-def json_error_position(error: json.JSONDecodeError, first_line: int = 1) -> str:
-    """``error`` as "<what> at line L, column C", its line counted from ``first_line`` (JSON Lines: the line the
-    document starts on). json's own message may end in "starting at" (an unterminated string): no second "at"."""
-    where = f"line {first_line + error.lineno - 1}, column {error.colno}"
-    return f"{error.msg} {where}" if error.msg.endswith(" at") else f"{error.msg} at {where}"
-
-
-def read_json(path: str | Path, *, lines: bool = False, key: str | None = None):
-    """The JSON document in ``path`` (with ``lines``: the list of one document per non-empty line), read as UTF-8;
-    a file that is not UTF-8 or is malformed is refused naming the file (as ``key``'s value when given), the line
-    and the column."""
-    text = check_text_file(path, key)
-    chunks = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()] if lines else [(1, text)]
-    documents = []
-    for first_line, chunk in chunks:
-        try:
-            documents.append(json.loads(chunk))
-        except json.JSONDecodeError as error:
-            what = f"{key} {path}" if key else str(path)
-            raise FoRAInputError(
-                f"{what} is not valid JSON{' Lines' if lines else ''}: {json_error_position(error, first_line)}. "
-                "Fix the file there."
-            ) from None
-    return documents if lines else documents[0]
-
-
-def check_json_rows_file(path: str | os.PathLike, key: str) -> None:
-    """Refuse a local .json/.jsonl dataset file that is empty, not UTF-8, or holds no rows (``[]``)."""
-    text = check_text_file(path, key)
-    if not text.strip():
-        refuse(key, str(path), "the file is empty", "Give a file with training rows.")
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError:
-        return  # JSON Lines, or malformed: read and reported by the loader
-    if document == [] or document == {}:
-        refuse(key, str(path), f"the file holds {text.strip()!r}, no rows", "Give a file with training rows.")
-
-
-def check_completions(dataset: Any, where: str, key: str = "dataset_name") -> None:
-    """Refuse a dataset whose completions (or texts) are all empty; warn when some are.
-
-    With an empty completion the loss is on the end-of-sequence token alone: the run would train the model to stop.
-    """
-    column = next((c for c in ("completion", "text") if c in dataset.column_names), None)
-    if column is None:
-        return
-    empty = sum(1 for value in dataset[column] if not _has_content(value))
-    if empty == len(dataset):
-        refuse(
-            key,
-            where,
-            f"all {len(dataset)} rows have an empty {column!r} (the `output` of Alpaca rows): training would teach "
-            "the end-of-sequence token alone",
-            "Fill in the responses, or point to the right file.",
-        )
-    if empty:
-        warnings.warn(
-            f"{where}: {empty} of {len(dataset)} rows have an empty {column!r}; they train the end-of-sequence "
-            "token only. Remove them or fill in their responses.",
-            stacklevel=2,
-        )
-
-
-def _has_content(value: Any) -> bool:
-    if isinstance(value, str):
-        return bool(value.strip())
-    if isinstance(value, list):  # conversational: a list of messages
-        return any(_has_content(m.get("content") if isinstance(m, Mapping) else m) for m in value)
-    return value is not None

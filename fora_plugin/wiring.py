@@ -1,6 +1,7 @@
 """FoRA's steps around a trainer, shared by `FoRASFTTrainer` (TRL) and the Axolotl plugin.
 
-May import: adapter, config, diagnostics, errors, fisher, fsdp, plots, selection, stiefel, targets, validation, zero.
+May import: adapter, config, diagnostics, errors, files, fisher, fsdp, plots, selection, stiefel, targets, validation,
+zero.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from .adapter import expert_blocks, make_stiefel, stiefel_num_experts, stiefel_p
 from .config import INPUT_CASTS, FoRAConfig
 from .diagnostics import largest_drift, read_adapter_diagnostics
 from .errors import FoRAInputError, refuse
+from .files import read_json
 from .fisher import FisherScores
 from .fsdp import gathered_adapters
 from .plots import plot_fisher_scores
 from .selection import check_layer_indices, resolve_layer_budget, select_layers
 from .stiefel import orthogonality_error
 from .targets import find_decoder_layers, is_linear_like, layer_index, matches_target
-from .validation import ADAPTER_CONFIG, check_choice, read_json
+from .validation import ADAPTER_CONFIG, check_choice
 from .zero import Zero3FoRAOptimizer, find_zero_client, gathered_trainable_parameters
 
 

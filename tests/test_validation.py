@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 
 import pytest
@@ -16,11 +15,8 @@ from fora_plugin.validation import (
     check_adapter_folder,
     check_block,
     check_checkpoint,
-    check_completions,
     check_number,
-    check_output_folder,
     check_selection_matches_adapter,
-    json_error_position,
     suggestion,
 )
 
@@ -104,24 +100,6 @@ def test_target_modules_are_checked_against_the_model_on_the_meta_device(model_d
         check_target_modules(str(model_dir), ["q_proj v_proj", "k_proj"], key="lora_target_modules")
 
 
-def test_output_folder_is_tried_not_guessed(tmp_path):
-    check_output_folder(tmp_path / "new" / "deeper", "output_dir")
-    assert not (tmp_path / "new").exists()  # checking creates nothing
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(ValueError, match=r"output_dir='.*file' is a file"):
-        check_output_folder(tmp_path / "file", "output_dir")
-    with pytest.raises(ValueError, match=r"no folder can be made under it"):
-        check_output_folder(tmp_path / "file" / "out", "output_dir")
-    if os.geteuid() != 0:  # root writes through permission bits
-        locked = tmp_path / "locked"
-        locked.mkdir(mode=0o555)
-        with pytest.raises(ValueError, match=r"is not writable"):
-            check_output_folder(locked / "out", "output_dir")
-    with pytest.raises(ValueError, match=r"/proc is not writable"):
-        check_output_folder("/proc/fora-out", "output_dir")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] + (["locked"] if os.geteuid() != 0 else [])
-
-
 def test_checkpoint_is_a_folder_with_trainer_state(tmp_path):
     check_checkpoint(None, str(tmp_path))
     check_checkpoint("false", str(tmp_path))
@@ -169,19 +147,6 @@ def test_selection_must_be_the_adapters_layers(tmp_path):
         check_selection_matches_adapter(file, [2])
 
 
-def test_completions_all_empty_refused_some_empty_warned():
-    from datasets import Dataset
-
-    with pytest.raises(ValueError, match=r"all 2 rows have an empty 'completion'"):
-        check_completions(Dataset.from_list([{"prompt": "a", "completion": ""}] * 2), "d.json")
-    with pytest.warns(UserWarning, match=r"1 of 2 rows have an empty 'text'"):
-        check_completions(Dataset.from_list([{"text": "a"}, {"text": "  "}]), "d.json")
-    messages = [{"role": "user", "content": "hi"}]
-    check_completions(
-        Dataset.from_list([{"prompt": messages, "completion": [{"role": "assistant", "content": "x"}]}]), "d"
-    )
-
-
 def test_target_parameters_are_checked_against_the_models_parameters(tmp_path):
     tiny_moe(2).save_pretrained(tmp_path)
     check_target_parameters(str(tmp_path), EXPERT_PARAMETERS, key="lora_target_parameters")
@@ -202,15 +167,6 @@ def test_fused_moe_targets_are_accepted_whole_and_refused_in_part():
         check_target_modules(config, whole, key="lora_target_modules")  # what PEFT converts to target_parameters
     with pytest.raises(ValueError, match=r"gate_proj and up_proj are one parameter, gate_up_proj, so gate_proj"):
         check_target_modules(config, ["gate_proj"], key="lora_target_modules")
-
-
-def test_json_errors_say_where_once():
-    with pytest.raises(json.JSONDecodeError) as info:
-        json.loads('{"a": "b')
-    assert json_error_position(info.value) == "Unterminated string starting at line 1, column 7"
-    with pytest.raises(json.JSONDecodeError) as info:
-        json.loads('{"a": 1,\n "b" 2}')
-    assert json_error_position(info.value, first_line=5) == "Expecting ':' delimiter at line 6, column 6"
 
 
 def test_a_block_refuses_unknown_keys_with_the_closest_and_strings_for_lists():

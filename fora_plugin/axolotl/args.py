@@ -4,7 +4,7 @@
 checked by the same code as ``FoRASFTTrainer``'s, and, when the YAML enables the plugin, refuses the Axolotl settings
 FoRA cannot be right with yet.
 
-May import: compatibility, config, errors, fsdp, optim, targets, validation, zero.
+May import: compatibility, config, errors, files, fsdp, optim, targets, validation, zero.
 """
 
 import dataclasses
@@ -25,10 +25,11 @@ from ..compatibility import (
 )
 from ..config import PREFIX, FoRAConfig
 from ..errors import FoRAInputError
+from ..files import check_file, check_output_folder
 from ..fsdp import check_weights_on_every_rank
 from ..optim import check_lr_scheduler_type
 from ..targets import check_target_modules
-from ..validation import AXOLOTL_KEYS, check_file, check_numbers, check_output_folder
+from ..validation import AXOLOTL_KEYS, check_numbers
 from ..zero import check_deepspeed_config, load_deepspeed_config
 
 
