@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-from .checkpoints import check_resumed_adapter
+from .checkpoints import check_checkpoint, check_resumed_adapter, resolve_checkpoint, resumes
 from .config import FoRAArguments
 from .data import check_chat_rows, check_rows_fit, load_train_dataset
 from .errors import FoRAInputError, path_refusal, refuse
@@ -30,14 +30,11 @@ from .targets import check_target_modules, check_target_parameters, find_decoder
 from .trainer import FoRASFTTrainer
 from .validation import (
     NUMBER_KEYS_OF_A_CONFIG,
-    check_checkpoint,
     check_known_keys,
     check_list,
     check_lora_arguments,
     check_numbers,
     check_training_arguments,
-    resolve_checkpoint,
-    resumes,
 )
 from .wiring import check_selection_free
 from .zero import check_deepspeed_config, load_deepspeed_config

@@ -3,7 +3,7 @@
 :func:`score_on_trainer` and :func:`fora_optimizer` work on any ``transformers.Trainer``: FoRASFTTrainer calls them,
 and so does the Axolotl plugin on Axolotl's trainer. The steps that need no trainer are in :mod:`fora_plugin.wiring`.
 
-May import: backward, compatibility, config, errors, fisher, fsdp, monitor, optim, validation, wiring, zero.
+May import: backward, checkpoints, compatibility, config, errors, fisher, fsdp, monitor, optim, wiring, zero.
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ import dataclasses
 import functools
 import math
 import os
-import zipfile
 from collections.abc import Callable
 
 import torch
 from peft import LoraConfig, PeftModel
 from torch import nn
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from trl import SFTTrainer
 
 from .backward import (
@@ -30,6 +28,7 @@ from .backward import (
     disable_input_require_grads,
     stop_backward_at_lowest_adapted_layer,
 )
+from .checkpoints import STIEFEL_STATE_FILE, check_checkpoint_files, checkpoint_folder, resolve_checkpoint
 from .compatibility import (
     check_cuda_graph,
     check_dora,
@@ -45,19 +44,16 @@ from .fisher import FisherScores, fisher_scores
 from .fsdp import check_fsdp, fsdp_setting, prepare_fsdp2
 from .monitor import DivergenceMonitor
 from .optim import FoRAOptimizer, build_fora_optimizer, check_lr_scheduler_type
-from .validation import resolve_checkpoint
 from .wiring import (
     FoRALogs,
     FoRASelection,
     SaveSelectionCallback,
-    checkpoint_folder,
     choose_layers,
     format_selection_table,
     readapt_lora,
     set_input_cast,
 )
 from .zero import (
-    STIEFEL_STATE_FILE,
     Zero3FoRAOptimizer,
     ZeroClientOptimizer,
     ZeroFoRAOptimizer,
@@ -76,7 +72,6 @@ __all__ = [
     "FoRASFTTrainer",
     "FoRATraining",
     "ZeroStiefelCallback",
-    "check_checkpoint_files",
     "checkpoint_as_in_training",
     "fora_optimizer",
     "prepare_deepspeed",
@@ -490,35 +485,6 @@ class FoRASFTTrainer(SFTTrainer):
 
 
 # ------------------------------------------------------------------------------------------------------- checks
-def check_checkpoint_files(checkpoint: str | os.PathLike) -> None:
-    """Refuse to resume from a checkpoint whose saved optimizer/scheduler/Cayley state is cut short or corrupt.
-
-    A save interrupted by a crash or a full disk leaves a truncated file, which ``torch.load`` reports with a zip
-    reader traceback that names neither the file nor the fix. torch saves a zip archive: its directory is at the end
-    and every member has a CRC, so reading it through checks the whole file.
-    """
-    for name in (OPTIMIZER_NAME, SCHEDULER_NAME, STIEFEL_STATE_FILE):
-        path = os.path.join(checkpoint, name)
-        if not os.path.isfile(path):
-            continue
-        with open(path, "rb") as file:
-            head = file.read(4)
-        if head and head != b"PK\x03\x04":
-            continue  # torch's legacy (non-zip) format: torch.load checks it
-        try:
-            with zipfile.ZipFile(path) as archive:
-                bad_member = archive.testzip()
-            problem = None if bad_member is None else f"member {bad_member} fails its CRC check"
-        except (zipfile.BadZipFile, OSError, EOFError) as err:
-            problem = f"{type(err).__name__}: {err}"
-        if problem is not None:
-            raise FoRAInputError(
-                f"Cannot resume from {checkpoint}: {path} is truncated or corrupt ({problem}), probably a save cut "
-                "short by a crash or a full disk. Resume from an earlier checkpoint (resume_from_checkpoint=<its "
-                "folder>, after deleting this one), or start a new run in an empty output_dir."
-            )
-
-
 def _check_lora_config(config: LoraConfig, fora: FoRAConfig) -> None:
     check_layers_unset(
         {

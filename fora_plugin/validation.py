@@ -32,14 +32,10 @@ __all__ = [
     "LORA_KEYS",
     "NUMBER_KEYS_OF_A_CONFIG",
     "NUMBER_RULES",
-    "RESUME_LAST",
-    "RESUME_OFF",
-    "TRAINER_STATE",
     "TRAINING_KEYS",
     "Rule",
     "check_adapter_folder",
     "check_block",
-    "check_checkpoint",
     "check_choice",
     "check_eval_arguments",
     "check_float",
@@ -53,16 +49,12 @@ __all__ = [
     "check_training_arguments",
     "is_integer",
     "is_real",
-    "resolve_checkpoint",
-    "resumes",
     "suggestion",
 ]
 
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
-# What HF Trainer saves in every checkpoint folder and reads first when resuming.
-TRAINER_STATE = "trainer_state.json"
 
 
 # ------------------------------------------------------------------------------------------------------ numbers
@@ -333,63 +325,6 @@ def check_block(block: Any, known: Iterable[str], where: str, *, lists: Iterable
 
 
 # ------------------------------------------------------------------------------------------------------- paths
-# ``resume_from_checkpoint`` values that mean "start afresh" and "the last checkpoint in output_dir": YAML and the
-# command line give strings, Python gives bools.
-RESUME_OFF = (None, False, "", "false", "False")
-RESUME_LAST = (True, "true", "True")
-
-
-def resumes(value: Any) -> bool:
-    """Whether a ``resume_from_checkpoint`` value asks to resume (the last checkpoint, or a given folder)."""
-    return value not in RESUME_OFF
-
-
-def resolve_checkpoint(value: Any, output_dir: str, key: str = "resume_from_checkpoint") -> str | None:
-    """The checkpoint folder a ``resume_from_checkpoint`` value names: None to start afresh, the last checkpoint-N of
-    ``output_dir`` for ``true`` (refused when there is none), else the value as a path."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    if not resumes(value):
-        return None
-    if value not in RESUME_LAST:
-        return str(value)
-    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-    if last is None:
-        raise FoRAInputError(
-            f"{key}=True but output_dir {output_dir} holds no checkpoint (no checkpoint-N folder) to resume: "
-            "drop resume_from_checkpoint to start a new run, or give a checkpoint folder's path."
-        )
-    return last
-
-
-def check_checkpoint(value: Any, output_dir: str, key: str = "resume_from_checkpoint") -> None:
-    """Refuse a ``resume_from_checkpoint`` that is not a checkpoint folder (one holding ``trainer_state.json``).
-
-    ``true`` needs a checkpoint-N folder in ``output_dir``; a path must be such a folder, not, say, a finished
-    run's adapter folder (which HF Trainer would fail on after the model loaded and FoRA wrote its selection).
-    """
-    from transformers.trainer_utils import get_last_checkpoint
-
-    if value in RESUME_LAST:
-        resolve_checkpoint(value, output_dir, key)
-        return
-    if not resumes(value):
-        return
-    folder = Path(str(value)).expanduser()
-    if not folder.is_dir():
-        refuse(key, str(value), "no such folder", "Give a checkpoint-N folder that an earlier run saved.")
-    if not (folder / TRAINER_STATE).is_file():
-        inside = get_last_checkpoint(str(folder))
-        what = "a saved adapter" if (folder / ADAPTER_CONFIG).is_file() else "a folder"
-        fix = (
-            f"Resume from {inside} (its last checkpoint), or `true` with output_dir: {folder}."
-            if inside
-            else "Give a checkpoint-N folder (saved during training with save_strategy steps/epoch), or drop "
-            "resume_from_checkpoint to start a new run."
-        )
-        refuse(key, str(value), f"it is {what}, not a checkpoint: it has no {TRAINER_STATE}", fix)
-
-
 def check_adapter_folder(path: str | os.PathLike, key: str) -> dict[str, Any]:
     """Refuse a LoRA adapter folder whose adapter_config.json disagrees with its weights; returns the config.
 

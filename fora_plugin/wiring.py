@@ -1,7 +1,7 @@
 """FoRA's steps around a trainer, shared by `FoRASFTTrainer` (TRL) and the Axolotl plugin.
 
-May import: adapter, config, diagnostics, errors, files, fisher, fsdp, plots, selection, stiefel, targets, validation,
-zero.
+May import: adapter, checkpoints, config, diagnostics, errors, files, fisher, fsdp, plots, selection, stiefel, targets,
+validation, zero.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ import torch
 from peft import LoraConfig, PeftModel
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.tuners_utils import check_target_module_exists
+from peft.utils.constants import CONFIG_NAME
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback
 from transformers.pytorch_utils import Conv1D
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .adapter import expert_blocks, make_stiefel, stiefel_num_experts, stiefel_parameters
+from .checkpoints import checkpoint_folder
 from .config import INPUT_CASTS, FoRAConfig
 from .diagnostics import largest_drift, read_adapter_diagnostics
 from .errors import FoRAInputError, refuse
@@ -35,7 +36,7 @@ from .plots import plot_fisher_scores
 from .selection import check_layer_indices, resolve_layer_budget, select_layers
 from .stiefel import orthogonality_error
 from .targets import find_decoder_layers, is_linear_like, layer_index, matches_target
-from .validation import ADAPTER_CONFIG, check_choice
+from .validation import check_choice
 from .zero import Zero3FoRAOptimizer, find_zero_client, gathered_trainable_parameters
 
 
@@ -47,7 +48,6 @@ __all__ = [
     "SaveSelectionCallback",
     "active_lora_config",
     "check_selection_free",
-    "checkpoint_folder",
     "choose_layers",
     "format_selection_table",
     "init_fora_adapters",
@@ -450,11 +450,11 @@ def check_selection_free(output_dir: str | Path, key: str = "output_dir") -> Non
     ``fora_scores.json`` there records the layers that adapter was trained on, and new scores with another choice
     of layers would replace that record while the adapter stays on the old layers."""
     out = Path(output_dir)
-    if (out / ADAPTER_CONFIG).is_file():
+    if (out / CONFIG_NAME).is_file():
         refuse(
             key,
             str(output_dir),
-            f"it holds a trained adapter ({ADAPTER_CONFIG}) whose {SCORES_FILE} records the layers it was trained "
+            f"it holds a trained adapter ({CONFIG_NAME}) whose {SCORES_FILE} records the layers it was trained "
             f"on: the new scores and layer choice would replace that record while the adapter stays on the old layers",
             f"Give another output_dir for the scores (e.g. --output_dir {out / 'rescored'}).",
         )
@@ -478,11 +478,6 @@ def format_selection_table(selection: FoRASelection) -> str:
         ratio = trainable / selection.lora_all_layers_parameters
         lines[-1] += f" = {ratio:.1%} of LoRA on all layers ({selection.lora_all_layers_parameters:,})"
     return "\n".join(lines)
-
-
-def checkpoint_folder(args, state) -> Path:
-    """The checkpoint folder HF Trainer has just saved, in a callback's ``on_save``."""
-    return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
 
 
 class SaveSelectionCallback(TrainerCallback):

@@ -14,7 +14,6 @@ from fora_plugin.validation import (
     NUMBER_RULES,
     check_adapter_folder,
     check_block,
-    check_checkpoint,
     check_number,
     check_selection_matches_adapter,
     suggestion,
@@ -98,23 +97,6 @@ def test_target_modules_are_checked_against_the_model_on_the_meta_device(model_d
         check_target_modules(str(model_dir), ["q_proj,v_proj"], key="lora_target_modules")
     with pytest.raises(ValueError, match=r"`lora_target_modules: \[q_proj, v_proj, k_proj\]`"):
         check_target_modules(str(model_dir), ["q_proj v_proj", "k_proj"], key="lora_target_modules")
-
-
-def test_checkpoint_is_a_folder_with_trainer_state(tmp_path):
-    check_checkpoint(None, str(tmp_path))
-    check_checkpoint("false", str(tmp_path))
-    with pytest.raises(ValueError, match=r"resume_from_checkpoint=True but output_dir .* holds no checkpoint"):
-        check_checkpoint("true", str(tmp_path))
-    run = tmp_path / "run"
-    (run / "checkpoint-4").mkdir(parents=True)
-    (run / "checkpoint-4" / "trainer_state.json").write_text("{}")
-    (run / "adapter_config.json").write_text("{}")
-    check_checkpoint(True, str(run))
-    check_checkpoint(str(run / "checkpoint-4"), str(tmp_path))
-    with pytest.raises(ValueError, match=r"it is a saved adapter, not a checkpoint.*Resume from .*checkpoint-4"):
-        check_checkpoint(str(run), str(tmp_path))
-    with pytest.raises(ValueError, match=r"no such folder"):
-        check_checkpoint(str(tmp_path / "nope"), str(tmp_path))
 
 
 def _adapter(folder, **lora):

@@ -6,7 +6,7 @@ May import: zero.checks, zero.client, zero.deepspeed_internals, zero.launch, zer
 """
 
 from .checks import check_deepspeed_config, load_deepspeed_config
-from .client import STIEFEL_STATE_FILE, ZeroClientOptimizer, find_zero_client
+from .client import ZeroClientOptimizer, find_zero_client
 from .deepspeed_internals import gathered_parameters, gathered_trainable_parameters
 from .launch import deepspeed_zero_stage, join_deepspeed_process_group
 from .scoring import zero3_scoring_engine
@@ -15,7 +15,6 @@ from .stage12 import ZeroFoRAOptimizer, build_zero_fora_optimizer
 
 
 __all__ = [
-    "STIEFEL_STATE_FILE",
     "Zero3FoRAOptimizer",
     "ZeroClientOptimizer",
     "ZeroFoRAOptimizer",
