@@ -5,7 +5,7 @@ A config is a ``trl sft`` config (``ScriptArguments`` + ``SFTConfig`` + ``ModelC
 ``fora train example_configs/quickstart.yaml --learning_rate 1e-4 --fora_layer_budget 4``.
 
 May import: ablate, config, errors, evaluation, files, logfilters, models, mt_bench, plan, plots, recipe, report,
-validation, wiring.
+selection, validation, wiring.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ from .plan import plan
 from .plots import plot_fisher_scores
 from .recipe import build_trainer, parse_config
 from .report import adapter_report, kl_to_base, markdown_summary, plot_spectra
+from .selection import SCORES_FILE, SCORES_PLOT, FoRASelection
 from .validation import (
     check_adapter_folder,
     check_eval_arguments,
     check_number,
 )
-from .wiring import SCORES_FILE, SCORES_PLOT, write_selection
+from .wiring import write_selection
 
 
 __all__ = ["build_parser", "build_trainer", "main", "parse_config"]
@@ -99,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, text in (
         ("train", "score the layers, then train LoRA on the chosen ones and save the adapter"),
-        ("score", "score the layers only: print the table, write fora_scores.json and fora_scores.png"),
+        ("score", f"score the layers only: print the table, write {SCORES_FILE} and {SCORES_PLOT}"),
     ):
         command = commands.add_parser(
             name,
@@ -474,10 +475,11 @@ def report(args: argparse.Namespace) -> int:
             model, tokenizer = load_model(args.base, adapter)
             kl[label] = kl_to_base(model, tokenizer, text, max_tokens=args.kl_max_tokens)
     plot_spectra(out / "spectra.png", reports)
-    first = reports[labels[0]]
-    scores = first["fora_scores"]
-    if scores:
-        plot_fisher_scores(out / "fisher_scores.png", scores["scores"], scores["chosen_layers"], scores["num_layers"])
+    saved = reports[labels[0]]["fora_scores"]
+    selection = FoRASelection.from_dict(saved, args.adapter) if saved else None
+    if selection is not None:
+        scores = selection.scores.scores if selection.scores else None
+        plot_fisher_scores(out / "fisher_scores.png", scores, selection.chosen, selection.num_layers)
     summary = markdown_summary(reports, kl)
     (out / "report.md").write_text(summary + "\n")
     payload = {label: dict(rep) for label, rep in reports.items()}
@@ -487,7 +489,7 @@ def report(args: argparse.Namespace) -> int:
     (out / "report.json").write_text(json.dumps(payload, indent=2))
     print(summary)
     print(f"\nreport: {(out / 'report.md').resolve()}\nspectra: {(out / 'spectra.png').resolve()}")
-    if scores:
+    if selection is not None:
         print(f"fisher scores: {(out / 'fisher_scores.png').resolve()}")
     return 0
 

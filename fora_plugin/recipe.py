@@ -25,7 +25,7 @@ from .errors import FoRAInputError, path_refusal, refuse
 from .files import check_output_folder, check_text_file, read_chat_template, read_json
 from .fsdp import check_one_engine
 from .models import check_model, load_model_config, load_tokenizer, meta_model
-from .selection import check_layer_indices, resolve_layer_budget
+from .selection import check_layer_indices, load_scores, resolve_layer_budget
 from .targets import check_target_modules, check_target_parameters, find_decoder_layers, target_names
 from .trainer import FoRASFTTrainer
 from .validation import (
@@ -46,7 +46,6 @@ __all__ = [
     "check_layers_fit",
     "check_output_dir",
     "check_precision",
-    "check_scores_file",
     "check_scoring_afresh",
     "load_yaml_config",
     "parse_config",
@@ -265,8 +264,6 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
     check_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     check_deepspeed_launch(training_args.deepspeed, fora_config)
     check_precision(training_args)
-    if fora_config.scores_path is not None:
-        check_scores_file(fora_config.scores_path)
     # FoRA is a LoRA method: the LoRA keys (lora_r, lora_alpha, lora_target_modules, ...) always apply.
     model_args.use_peft = True
     peft_config = get_peft_config(model_args)
@@ -355,8 +352,9 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
 
 
 def check_layers_fit(fora_config, model) -> None:
-    """Refuse explicit layers or a layer budget that the model's decoder layers cannot give, before the model loads
-    (``model``: built on the meta device), as the selection would once it has loaded."""
+    """Refuse explicit layers, a layer budget or saved scores (``fora_scores_path``) that the model's decoder layers
+    cannot give, before the model loads (``model``: built on the meta device), as the selection would once it has
+    loaded."""
     if not fora_config.selects_layers:
         return
     num_layers = len(find_decoder_layers(model)[1])
@@ -364,6 +362,8 @@ def check_layers_fit(fora_config, model) -> None:
         check_layer_indices(fora_config.layers, num_layers)
     else:
         resolve_layer_budget(fora_config.layer_budget, num_layers)
+    if fora_config.scores_path is not None:
+        load_scores(fora_config.scores_path, num_layers, "fora_scores_path")
 
 
 def check_scoring_afresh(fora_config) -> None:
@@ -397,12 +397,3 @@ def check_precision(training_args) -> None:
             "applied: the run would train in float32",
             "Set fp16: false (bf16: true is CPU mixed precision), or train on a GPU.",
         )
-
-
-def check_scores_file(scores_path: str) -> None:
-    """Refuse a ``fora_scores_path`` whose fora_scores.json is not UTF-8 JSON, naming file and line, before the model
-    loads (the selection is read once the model is there)."""
-    path = Path(scores_path)
-    path = path / "fora_scores.json" if path.is_dir() else path
-    if path.is_file():
-        read_json(path, key="fora_scores_path")

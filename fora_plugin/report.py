@@ -5,7 +5,7 @@ matrix), their entropy effective rank (Roy & Vetterli) and its ratio to r, ‖Δ
 model, KL(p_trained ‖ p_base) on held-out text. Works on any PEFT LoRA adapter, so FoRA and its baselines compare
 side by side.
 
-May import: diagnostics, errors, evaluation, files, plots, stiefel, targets, validation.
+May import: diagnostics, errors, evaluation, plots, selection, stiefel, targets, validation.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from torch import nn
 from .diagnostics import delta_w_singular_values, effective_rank
 from .errors import FoRAInputError
 from .evaluation import eval_mode
-from .files import read_json
 from .plots import pyplot
+from .selection import FoRASelection
 from .stiefel import orthogonality_error
 from .targets import layer_index
-from .validation import check_adapter_folder, check_selection_matches_adapter
+from .validation import check_adapter_folder
 
 
 __all__ = [
@@ -120,8 +120,9 @@ def adapter_report(adapter_dir: str | Path) -> dict[str, Any]:
             "mean_normalised_spectrum": normalised.mean(dim=0).tolist(),
         }
     layers = sorted({m["layer"] for m in modules if m["layer"] is not None})
-    scores_file = Path(adapter_dir) / "fora_scores.json"
-    check_selection_matches_adapter(scores_file, layers)
+    selection = FoRASelection.load(adapter_dir, missing_ok=True)  # the selection files beside the adapter
+    if selection is not None:
+        selection.check_adapter_layers(layers, adapter_dir)
     return {
         "adapter": str(adapter_dir),
         "r": config["r"],
@@ -131,7 +132,7 @@ def adapter_report(adapter_dir: str | Path) -> dict[str, Any]:
         "modules": modules,
         "by_type": summary,
         "mean_effective_rank": sum(m["effective_rank"] for m in modules) / len(modules) if modules else 0.0,
-        "fora_scores": read_json(scores_file) if scores_file.is_file() else None,
+        "fora_scores": selection.to_dict() if selection is not None else None,
     }
 
 

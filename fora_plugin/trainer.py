@@ -3,7 +3,8 @@
 :func:`score_on_trainer` and :func:`fora_optimizer` work on any ``transformers.Trainer``: FoRASFTTrainer calls them,
 and so does the Axolotl plugin on Axolotl's trainer. The steps that need no trainer are in :mod:`fora_plugin.wiring`.
 
-May import: backward, checkpoints, compatibility, config, errors, fisher, fsdp, monitor, optim, wiring, zero.
+May import: backward, checkpoints, compatibility, config, errors, fisher, fsdp, monitor, optim, selection, wiring,
+zero.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ from .fisher import FisherScores, fisher_scores
 from .fsdp import check_fsdp, fsdp_setting, prepare_fsdp2
 from .monitor import DivergenceMonitor
 from .optim import FoRAOptimizer, build_fora_optimizer, check_lr_scheduler_type
+from .selection import FoRASelection
 from .wiring import (
     FoRALogs,
-    FoRASelection,
     SaveSelectionCallback,
     choose_layers,
     format_selection_table,
@@ -472,10 +473,10 @@ class FoRASFTTrainer(SFTTrainer):
         if checkpoint is not None:
             check_checkpoint_files(checkpoint)
         if checkpoint is not None and self.fora_selection is not None and self.fora_config.selects_layers:
-            saved = FoRASelection.read(checkpoint)
-            if saved["chosen_layers"] != self.fora_selection.chosen:
+            saved = FoRASelection.load(checkpoint)
+            if saved.chosen != self.fora_selection.chosen:
                 raise FoRAInputError(
-                    f"Checkpoint {checkpoint} was trained with LoRA on layers {saved['chosen_layers']}, but this "
+                    f"Checkpoint {checkpoint} was trained with LoRA on layers {saved.chosen}, but this "
                     f"trainer adapts layers {self.fora_selection.chosen}. Build the trainer with "
                     f"args.resume_from_checkpoint={str(checkpoint)!r} so it reuses the checkpoint's selection, and "
                     "leave FoRAConfig.layers unset (or equal to those layers)."

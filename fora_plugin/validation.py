@@ -45,7 +45,6 @@ __all__ = [
     "check_lora_arguments",
     "check_number",
     "check_numbers",
-    "check_selection_matches_adapter",
     "check_training_arguments",
     "is_integer",
     "is_real",
@@ -378,29 +377,3 @@ def check_adapter_folder(path: str | os.PathLike, key: str) -> dict[str, Any]:
             "again.",
         )
     return config
-
-
-def check_selection_matches_adapter(selection_file: str | os.PathLike, adapted_layers: list[int]) -> None:
-    """Refuse a selection file (``fora_scores.json``) whose chosen layers are not the layers the adapter next to it
-    is on.
-
-    The selection files of one run next to the adapter of another (a failed later run's, a copied folder) would
-    plot and report the wrong chosen layers.
-    """
-    file = Path(selection_file)
-    if not file.is_file() or not adapted_layers:
-        return
-    try:
-        saved = json.loads(file.read_text(encoding="utf-8"))
-        chosen = sorted(saved["chosen_layers"])
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
-        raise FoRAInputError(
-            f"{file} is not a FoRA selection ({type(error).__name__}: {error}): remove it, or run `fora score` to "
-            "write it again."
-        ) from None
-    if chosen != sorted(adapted_layers):
-        raise FoRAInputError(
-            f"{file} says layers {chosen} were chosen, but the adapter in {file.parent} is on layers "
-            f"{sorted(adapted_layers)}: the selection files belong to another run. Remove {file.name} and "
-            f"{file.with_suffix('.png').name} there (or run `fora score` with this run's config to write them again)."
-        )

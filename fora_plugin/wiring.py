@@ -1,18 +1,17 @@
 """FoRA's steps around a trainer, shared by `FoRASFTTrainer` (TRL) and the Axolotl plugin.
 
-May import: adapter, checkpoints, config, diagnostics, errors, files, fisher, fsdp, plots, selection, stiefel, targets,
+May import: adapter, checkpoints, config, diagnostics, errors, fisher, fsdp, plots, selection, stiefel, targets,
 validation, zero.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel
@@ -29,11 +28,18 @@ from .checkpoints import checkpoint_folder
 from .config import INPUT_CASTS, FoRAConfig
 from .diagnostics import largest_drift, read_adapter_diagnostics
 from .errors import FoRAInputError, refuse
-from .files import read_json
 from .fisher import FisherScores
 from .fsdp import gathered_adapters
 from .plots import plot_fisher_scores
-from .selection import check_layer_indices, resolve_layer_budget, select_layers
+from .selection import (
+    SCORES_FILE,
+    SCORES_PLOT,
+    FoRASelection,
+    check_layer_indices,
+    load_scores,
+    resolve_layer_budget,
+    select_layers,
+)
 from .stiefel import orthogonality_error
 from .targets import find_decoder_layers, is_linear_like, layer_index, matches_target
 from .validation import check_choice
@@ -41,10 +47,7 @@ from .zero import Zero3FoRAOptimizer, find_zero_client, gathered_trainable_param
 
 
 __all__ = [
-    "SCORES_FILE",
-    "SCORES_PLOT",
     "FoRALogs",
-    "FoRASelection",
     "SaveSelectionCallback",
     "active_lora_config",
     "check_selection_free",
@@ -59,63 +62,6 @@ __all__ = [
 
 
 logger = logging.getLogger(__name__)
-
-SCORES_FILE = "fora_scores.json"
-SCORES_PLOT = "fora_scores.png"
-
-
-class FoRASelection:
-    """The chosen layers and how they were chosen; saved as ``fora_scores.json``."""
-
-    def __init__(
-        self,
-        chosen: list[int],
-        num_layers: int,
-        layer_prefix: str,
-        *,
-        scores: FisherScores | None = None,
-        source: str = "fisher",
-        mode: str = "fora",
-    ) -> None:
-        self.chosen = sorted(chosen)
-        self.num_layers = num_layers
-        self.layer_prefix = layer_prefix
-        self.scores = scores
-        self.source = source
-        self.mode = mode
-        self.target_modules: list[str] = []
-        self.target_parameters: list[str] = []
-        self.trainable_parameters: dict[int, int] = {}
-        self.lora_all_layers_parameters = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        s = self.scores
-        return {
-            "mode": self.mode,
-            "source": self.source,
-            "num_layers": self.num_layers,
-            "k": len(self.chosen),
-            "chosen_layers": self.chosen,
-            "scores": s.scores if s else None,
-            "num_batches": s.num_batches if s else None,
-            "fisher_params": s.fisher_params if s else None,
-            "seconds": s.seconds if s else None,
-            "peak_memory_bytes": s.peak_memory_bytes if s else None,
-            "layer_prefix": self.layer_prefix,
-            "target_modules": self.target_modules,
-            "target_parameters": self.target_parameters,
-            "trainable_parameters_per_layer": {str(k): v for k, v in self.trainable_parameters.items()},
-            "lora_all_layers_parameters": self.lora_all_layers_parameters,
-        }
-
-    @staticmethod
-    def read(path: str | Path) -> dict[str, Any]:
-        path = Path(path)
-        if path.is_dir():
-            path = path / SCORES_FILE
-        if not path.is_file():
-            raise FoRAInputError(f"No FoRA selection at {path}: expected the {SCORES_FILE} an earlier run wrote.")
-        return read_json(path)  # names the file, line and column of a malformed one
 
 
 # ----------------------------------------------------------------------------------------------------- selection
@@ -143,38 +89,28 @@ def choose_layers(
     saved = _checkpoint_selection(checkpoint, num_layers) if checkpoint is not None else None
     if fora.layers is not None:
         chosen = check_layer_indices(fora.layers, num_layers)
-        if saved is not None and saved["chosen_layers"] != chosen:
+        if saved is not None and saved.chosen != chosen:
             raise FoRAInputError(
-                f"FoRAConfig.layers={chosen} differ from the layers {saved['chosen_layers']} that checkpoint "
-                f"{checkpoint} was trained on, and a resumed run keeps its layers: set layers="
-                f"{saved['chosen_layers']} or leave layers unset to resume, or start a new run (no "
-                "resume_from_checkpoint) to train other layers."
+                f"FoRAConfig.layers={chosen} differ from the layers {saved.chosen} that checkpoint {checkpoint} was "
+                f"trained on, and a resumed run keeps its layers: set layers={saved.chosen} or leave layers unset to "
+                "resume, or start a new run (no resume_from_checkpoint) to train other layers."
             )
         return FoRASelection(chosen, num_layers, prefix, source="layers", mode=fora.mode)
     if saved is not None:
         k = resolve_layer_budget(fora.layer_budget, num_layers)
-        if k != len(saved["chosen_layers"]):
+        if k != len(saved.chosen):
             warnings.warn(
                 f"FoRAConfig.layer_budget={fora.layer_budget!r} gives K={k} layers, but checkpoint {checkpoint} was "
-                f"trained with LoRA on K={len(saved['chosen_layers'])} layers {saved['chosen_layers']}: the resumed "
-                f"run keeps the checkpoint's layers. Start a new run (no resume_from_checkpoint) to adapt {k} layers.",
+                f"trained with LoRA on K={len(saved.chosen)} layers {saved.chosen}: the resumed run keeps the "
+                f"checkpoint's layers. Start a new run (no resume_from_checkpoint) to adapt {k} layers.",
                 stacklevel=2,
             )
         logger.info("FoRA: reusing the layer selection saved with the checkpoint (no re-scoring).")
-        scores = _saved_scores(saved, prefix)
-        return FoRASelection(
-            saved["chosen_layers"], num_layers, prefix, scores=scores, source="checkpoint", mode=fora.mode
-        )
+        scores = dataclasses.replace(saved.scores, layer_prefix=prefix) if saved.scores else None
+        return FoRASelection(saved.chosen, num_layers, prefix, scores=scores, source="checkpoint", mode=fora.mode)
     k = resolve_layer_budget(fora.layer_budget, num_layers)
     if fora.scores_path is not None:
-        saved = FoRASelection.read(fora.scores_path)
-        if saved.get("scores") is None or len(saved["scores"]) != num_layers:
-            held = "no scores" if saved.get("scores") is None else f"scores for {len(saved['scores'])} layers"
-            raise FoRAInputError(
-                f"scores_path={fora.scores_path!r} holds {held}, but this model has {num_layers} decoder layers: "
-                "give the fora_scores.json of a run on this model, or leave scores_path unset to score again."
-            )
-        scores = _saved_scores(saved, prefix)
+        scores = dataclasses.replace(load_scores(fora.scores_path, num_layers, "scores_path"), layer_prefix=prefix)
         chosen = select_layers(scores.scores, k, strategy=fora.layer_strategy, seed=seed)
         return FoRASelection(chosen, num_layers, prefix, scores=scores, source="scores_path", mode=fora.mode)
     if fora.layer_strategy != "fisher":
@@ -185,27 +121,14 @@ def choose_layers(
     return FoRASelection(chosen, num_layers, prefix, scores=scores, source="fisher", mode=fora.mode)
 
 
-def _checkpoint_selection(checkpoint: str, num_layers: int) -> dict[str, Any]:
-    saved = FoRASelection.read(checkpoint)
-    if saved["num_layers"] != num_layers:
+def _checkpoint_selection(checkpoint: str, num_layers: int) -> FoRASelection:
+    saved = FoRASelection.load(checkpoint)
+    if saved.num_layers != num_layers:
         raise FoRAInputError(
-            f"The checkpoint's selection is for {saved['num_layers']} layers, this model has "
-            f"{num_layers}: resume with the same model."
+            f"The checkpoint's selection is for {saved.num_layers} layers, this model has {num_layers}: resume with "
+            "the same model."
         )
     return saved
-
-
-def _saved_scores(saved: dict[str, Any], prefix: str) -> FisherScores | None:
-    if saved.get("scores") is None:
-        return None
-    return FisherScores(
-        saved["scores"],
-        saved["num_batches"],
-        saved["fisher_params"],
-        saved["seconds"] or 0.0,
-        saved.get("peak_memory_bytes"),
-        prefix,
-    )
 
 
 # ---------------------------------------------------------------------------------------------------- adapters
@@ -426,19 +349,15 @@ def _lora_parameter_count(target: nn.Module | torch.Tensor, r: int) -> int:
 
 # ----------------------------------------------------------------------------------------------------- reports
 def write_selection(selection: FoRASelection, output_dir: str | Path, *, table: bool = True) -> None:
-    """``fora_scores.json`` and ``fora_scores.png`` in ``output_dir``, and (``table``) the table on stdout.
-
-    Step 4 of FoRA's steps around a trainer, :func:`write_selection`: ``fora_scores.json``, ``fora_scores.png`` and
-    the printed table; :class:`SaveSelectionCallback` puts the json in every checkpoint, so a resume adapts the same
-    layers.
+    """The selection's record and its plot in ``output_dir`` (``fora_scores.json``, ``fora_scores.png``), and
+    (``table``) the table on stdout. :class:`SaveSelectionCallback` puts the record in every checkpoint too, so a
+    resume adapts the same layers.
 
     Written when the run's outputs are: at the end of training (:class:`SaveSelectionCallback`), or by ``fora
     score``, whose output they are. A run that fails or is refused before that leaves an earlier run's files as they
     were.
     """
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / SCORES_FILE).write_text(json.dumps(selection.to_dict(), indent=2))
+    out = selection.save(output_dir).parent
     scores = selection.scores.scores if selection.scores else None
     plot_fisher_scores(out / SCORES_PLOT, scores, selection.chosen, selection.num_layers)
     if table:
@@ -494,9 +413,7 @@ class SaveSelectionCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if args.should_save:
-            folder = checkpoint_folder(args, state)
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / SCORES_FILE).write_text(json.dumps(self.selection.to_dict(), indent=2))
+            self.selection.save(checkpoint_folder(args, state))
         return control
 
     def on_train_end(self, args, state, control, **kwargs):

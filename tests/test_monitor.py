@@ -19,8 +19,9 @@ from fora_plugin.diagnostics import (
     mean_effective_rank,
 )
 from fora_plugin.monitor import DivergenceMonitor, stiefel_counters
+from fora_plugin.selection import FoRASelection
 from fora_plugin.stiefel import orthogonality_error, random_stiefel
-from fora_plugin.wiring import FoRALogs, FoRASelection
+from fora_plugin.wiring import FoRALogs
 
 
 def stiefel_lora_model():

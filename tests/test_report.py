@@ -182,9 +182,13 @@ def test_report_refuses_a_selection_of_other_layers_than_the_adapters(saved_adap
     import json
 
     adapter_dir, _ = saved_adapter
-    (adapter_dir / "fora_scores.json").write_text(json.dumps({"chosen_layers": [1, 2], "scores": None}))
+    (adapter_dir / "fora_scores.json").write_text(
+        json.dumps({"chosen_layers": [1, 2], "num_layers": 4, "scores": None})
+    )
     assert adapter_report(adapter_dir)["fora_scores"]["chosen_layers"] == [1, 2]
-    (adapter_dir / "fora_scores.json").write_text(json.dumps({"chosen_layers": [0, 3], "scores": None}))
+    (adapter_dir / "fora_scores.json").write_text(
+        json.dumps({"chosen_layers": [0, 3], "num_layers": 4, "scores": None})
+    )
     with pytest.raises(
         ValueError, match=r"says layers \[0, 3\] were chosen, but the adapter .* is on layers \[1, 2\]"
     ):

@@ -15,7 +15,6 @@ from fora_plugin.validation import (
     check_adapter_folder,
     check_block,
     check_number,
-    check_selection_matches_adapter,
     suggestion,
 )
 
@@ -118,15 +117,6 @@ def test_adapter_config_must_match_the_weights_ranks(tmp_path):
     (plain / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 0}))
     with pytest.raises(ValueError, match=r"lora_alpha=0 is invalid"):
         check_adapter_folder(plain, "adapter")
-
-
-def test_selection_must_be_the_adapters_layers(tmp_path):
-    file = tmp_path / "fora_scores.json"
-    check_selection_matches_adapter(file, [0, 1])  # no selection file: nothing to compare
-    file.write_text(json.dumps({"chosen_layers": [1, 0]}))
-    check_selection_matches_adapter(file, [0, 1])
-    with pytest.raises(ValueError, match=r"says layers \[0, 1\] were chosen, but the adapter .* is on layers \[2\]"):
-        check_selection_matches_adapter(file, [2])
 
 
 def test_target_parameters_are_checked_against_the_models_parameters(tmp_path):
