@@ -37,18 +37,16 @@ from .logfilters import drop
 from .models import check_model, load_model
 from .plan import plan
 from .plots import plot_fisher_scores
-from .recipe import build_trainer, parse_config
-from .report import adapter_report, kl_to_base, markdown_summary, plot_spectra
+from .recipe import build_trainer
+from .report import adapter_report, check_adapter_folder, kl_to_base, markdown_summary, plot_spectra
 from .selection import SCORES_FILE, SCORES_PLOT, FoRASelection
 from .validation import (
-    check_adapter_folder,
-    check_eval_arguments,
     check_number,
 )
 from .wiring import write_selection
 
 
-__all__ = ["build_parser", "build_trainer", "main", "parse_config"]
+__all__ = ["build_parser", "check_eval_arguments", "main"]
 
 logger = logging.getLogger("fora_plugin")
 
@@ -296,6 +294,21 @@ def _check_eval_output(out: Path) -> None:
                 "which this run would replace",
                 "Give another --output folder.",
             )
+
+
+def check_eval_arguments(args: argparse.Namespace) -> None:
+    """The numbers of ``fora eval``'s flags."""
+    for flag in ("--max-examples", "--batch-size", "--max-new-tokens", "--ppl-max-length", "--ppl-stride"):
+        check_number(flag, getattr(args, flag[2:].replace("-", "_")))
+    check_number("--ppl-max-tokens", args.ppl_max_tokens)
+    if args.ppl_stride > args.ppl_max_length:
+        refuse(
+            "--ppl-stride",
+            args.ppl_stride,
+            f"the stride must be at most --ppl-max-length ({args.ppl_max_length}), or tokens between windows are "
+            "never scored",
+            "Use e.g. --ppl-stride 512 with --ppl-max-length 1024.",
+        )
 
 
 def _check_eval_inputs(args: argparse.Namespace) -> dict[str, list]:

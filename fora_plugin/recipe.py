@@ -17,6 +17,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from .checkpoints import check_checkpoint, check_resumed_adapter, resolve_checkpoint, resumes
 from .config import FoRAArguments
@@ -29,12 +30,11 @@ from .selection import check_layer_indices, load_scores, resolve_layer_budget
 from .targets import check_target_modules, check_target_parameters, find_decoder_layers, target_names
 from .trainer import FoRASFTTrainer
 from .validation import (
-    NUMBER_KEYS_OF_A_CONFIG,
+    LORA_KEYS,
+    TRAINING_KEYS,
     check_known_keys,
     check_list,
-    check_lora_arguments,
     check_numbers,
-    check_training_arguments,
 )
 from .wiring import check_selection_free
 from .zero import check_deepspeed_config, load_deepspeed_config
@@ -44,6 +44,7 @@ __all__ = [
     "build_trainer",
     "check_deepspeed_launch",
     "check_layers_fit",
+    "check_lora_arguments",
     "check_output_dir",
     "check_precision",
     "check_scoring_afresh",
@@ -144,7 +145,7 @@ def parse_config(config: str, overrides: list[str], *, shown_as: str | None = No
             check_list(key, data[key])
     # The numbers the YAML gives, before TrainingArguments checks a few of them in its own words; values of the
     # command line are checked once parsed (below), as are YAML strings, which the parser converts.
-    check_numbers({k: v for k, v in data.items() if not isinstance(v, str)}, NUMBER_KEYS_OF_A_CONFIG)
+    check_numbers({k: v for k, v in data.items() if not isinstance(v, str)}, LORA_KEYS + TRAINING_KEYS)
     options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
     given = [token.split("=", 1)[0] for token in overrides if token.startswith("--")]
     # argparse takes an unambiguous prefix of an option too.
@@ -166,13 +167,35 @@ def parse_config(config: str, overrides: list[str], *, shown_as: str | None = No
             raise
         message = _blamed(str(error), name, overrides).rstrip(".")
         raise FoRAInputError(f"{message}. Change that setting, or remove it.") from error
-    check_training_arguments(training_args, model_args)
+    check_numbers(model_args, LORA_KEYS)
+    check_numbers(training_args, TRAINING_KEYS)
     check_one_engine(training_args.fsdp, training_args.deepspeed)
     # TRL's ModelConfig turns a one-name list into that name, which PEFT would read as a regex matching nothing.
     model_args.lora_target_modules = target_names(model_args.lora_target_modules)
     model_args.lora_target_parameters = target_names(model_args.lora_target_parameters)
     check_lora_arguments(model_args)
     return script_args, training_args, model_args, fora_args.to_fora_config()
+
+
+def check_lora_arguments(model_args: Any) -> None:
+    """The LoRA keys' rules across keys (ModelConfig), checked before PEFT meets them on the loaded model."""
+    if not model_args.lora_target_modules and model_args.lora_target_modules is not None:
+        if not model_args.lora_target_parameters:
+            refuse(
+                "lora_target_modules",
+                model_args.lora_target_modules,
+                "name at least one module to adapt (or fused expert parameters in lora_target_parameters)",
+                "E.g. lora_target_modules: [q_proj, k_proj, v_proj, up_proj, down_proj], or leave it unset for PEFT's "
+                "default of the architecture.",
+            )
+    if model_args.lora_target_parameters and model_args.lora_dropout:
+        refuse(
+            "lora_dropout",
+            model_args.lora_dropout,
+            "LoRA on lora_target_parameters (fused MoE experts) takes no dropout: PEFT's ParamWrapper refuses "
+            "lora_dropout != 0",
+            "Set lora_dropout: 0.0.",
+        )
 
 
 def _given(key: str, data: dict, overrides: list[str]) -> tuple[object, str]:

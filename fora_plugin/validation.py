@@ -1,12 +1,9 @@
-"""Up-front checks of what a user gives ``fora`` and the Axolotl plugin: numbers, paths and names.
+"""The primitives of a user's value: numbers (one rule table per key), choices, known keys and config blocks.
 
-Every check runs before the libraries see the value (PEFT, TRL, ``datasets``, torch) and before heavy work (the model
-is loaded only after everything that can be checked without it). A refusal is a ``ValueError`` naming the key, the
-value, what is accepted and the fix; the CLI prints it as one line and exits with 2. A library error that still
-reaches a user is a bug of ours: a check belongs in the module of the thing it checks (models, data, ...).
-
-The numeric rules are one table, :data:`NUMBER_RULES`, that ``fora train``/``score``/``ablate`` (SFTConfig and
-ModelConfig keys), ``fora eval``/``report`` flags and ``ablation.eval`` read.
+A refusal is a ``FoRAInputError`` naming the key, the value, what is accepted and the fix; the CLI prints it as one
+line and exits with 2. :data:`NUMBER_RULES` holds the rule of every number a user gives, under each name it is given
+by: SFTConfig/ModelConfig keys, their Axolotl names, ``fora eval``/``report`` flags and ``ablation: eval:`` keys.
+Nothing here knows a file, a model, a checkpoint or a dataset: each of those is checked in its own module.
 
 May import: errors.
 """
@@ -14,46 +11,32 @@ May import: errors.
 from __future__ import annotations
 
 import difflib
-import json
 import math
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from .errors import FoRAInputError, refuse
 
 
 __all__ = [
-    "ADAPTER_CONFIG",
-    "ADAPTER_WEIGHTS",
-    "AXOLOTL_KEYS",
     "LORA_KEYS",
-    "NUMBER_KEYS_OF_A_CONFIG",
     "NUMBER_RULES",
+    "OPTIMIZER_KEYS",
     "TRAINING_KEYS",
     "Rule",
-    "check_adapter_folder",
     "check_block",
     "check_choice",
-    "check_eval_arguments",
     "check_float",
     "check_int",
     "check_known_keys",
     "check_list",
-    "check_lora_arguments",
     "check_number",
     "check_numbers",
-    "check_training_arguments",
     "is_integer",
     "is_real",
     "suggestion",
 ]
-
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 # ------------------------------------------------------------------------------------------------------ numbers
@@ -106,8 +89,7 @@ def check_int(key: str, value: Any, minimum: int, hint: str) -> None:
         refuse(key, value, f"use an int >= {minimum} ({hint})")
 
 
-# key -> Rule. Keys are as the user writes them: SFTConfig/ModelConfig keys, `fora eval`/`fora report` flags (with
-# dashes), and the `ablation: eval:` keys.
+# key (as the user writes it: a config key, a `--flag` of `fora eval`/`report`, an `ablation: eval:` key) -> Rule.
 NUMBER_RULES: dict[str, Rule] = {
     # --- LoRA (ModelConfig)
     "lora_r": _int_at_least(1, "use an int >= 1, the LoRA rank (e.g. 16)"),
@@ -167,7 +149,7 @@ NUMBER_RULES: dict[str, Rule] = {
 # The NUMBER_RULES keys each set of arguments holds.
 LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout")
 # Named alike in TRL's TrainingArguments and in Axolotl's YAML.
-_OPTIMIZER_KEYS = (
+OPTIMIZER_KEYS = (
     "warmup_steps",
     "warmup_ratio",
     "weight_decay",
@@ -183,7 +165,7 @@ TRAINING_KEYS = (
     "max_steps",
     "num_train_epochs",
     "max_length",
-    *_OPTIMIZER_KEYS,
+    *OPTIMIZER_KEYS,
     "label_smoothing_factor",
     "logging_steps",
     "save_steps",
@@ -191,20 +173,6 @@ TRAINING_KEYS = (
     "save_total_limit",
     "dataloader_num_workers",
     "dataset_num_proc",
-    "seed",
-)
-NUMBER_KEYS_OF_A_CONFIG = LORA_KEYS + TRAINING_KEYS
-# An Axolotl YAML's keys, checked when it enables the plugin (unset = None = Axolotl's default).
-AXOLOTL_KEYS = LORA_KEYS + (
-    "micro_batch_size",
-    "gradient_accumulation_steps",
-    "sequence_len",
-    "num_epochs",
-    "max_steps",
-    *_OPTIMIZER_KEYS,
-    "logging_steps",
-    "save_steps",
-    "eval_steps",
     "seed",
 )
 
@@ -230,48 +198,6 @@ def check_numbers(values: Any, keys: Iterable[str], prefix: str = "") -> None:
         else:
             continue
         check_number(key, value, prefix + key)
-
-
-def check_training_arguments(training_args: Any, model_args: Any) -> None:
-    """The numbers of a ``fora train`` config: LoRA (ModelConfig) and training (SFTConfig) keys."""
-    check_numbers(model_args, LORA_KEYS)
-    check_numbers(training_args, TRAINING_KEYS)
-
-
-def check_lora_arguments(model_args: Any) -> None:
-    """The LoRA keys' rules across keys (ModelConfig), checked before PEFT meets them on the loaded model."""
-    if not model_args.lora_target_modules and model_args.lora_target_modules is not None:
-        if not model_args.lora_target_parameters:
-            refuse(
-                "lora_target_modules",
-                model_args.lora_target_modules,
-                "name at least one module to adapt (or fused expert parameters in lora_target_parameters)",
-                "E.g. lora_target_modules: [q_proj, k_proj, v_proj, up_proj, down_proj], or leave it unset for PEFT's "
-                "default of the architecture.",
-            )
-    if model_args.lora_target_parameters and model_args.lora_dropout:
-        refuse(
-            "lora_dropout",
-            model_args.lora_dropout,
-            "LoRA on lora_target_parameters (fused MoE experts) takes no dropout: PEFT's ParamWrapper refuses "
-            "lora_dropout != 0",
-            "Set lora_dropout: 0.0.",
-        )
-
-
-def check_eval_arguments(args: Any) -> None:
-    """The numbers of ``fora eval``'s flags."""
-    for flag in ("--max-examples", "--batch-size", "--max-new-tokens", "--ppl-max-length", "--ppl-stride"):
-        check_number(flag, getattr(args, flag[2:].replace("-", "_")))
-    check_number("--ppl-max-tokens", args.ppl_max_tokens)
-    if args.ppl_stride > args.ppl_max_length:
-        refuse(
-            "--ppl-stride",
-            args.ppl_stride,
-            f"the stride must be at most --ppl-max-length ({args.ppl_max_length}), or tokens between windows are "
-            "never scored",
-            "Use e.g. --ppl-stride 512 with --ppl-max-length 1024.",
-        )
 
 
 # ---------------------------------------------------------------------------------------------- names and keys
@@ -301,12 +227,8 @@ def check_list(key: str, value: Any) -> None:
     if isinstance(value, list):
         return
     items = value.replace(",", " ").split() if isinstance(value, str) else [value]
-    refuse(
-        key,
-        value,
-        "give a list",
-        f"Write it as a YAML list: `{key.rsplit('.', 1)[-1]}: [{', '.join(map(str, items))}]`.",
-    )
+    fix = f"Write it as a YAML list: `{key.rsplit('.', 1)[-1]}: [{', '.join(map(str, items))}]`."
+    refuse(key, value, "give a list", fix)
 
 
 def check_block(block: Any, known: Iterable[str], where: str, *, lists: Iterable[str] = ()) -> Mapping[str, Any]:
@@ -321,59 +243,3 @@ def check_block(block: Any, known: Iterable[str], where: str, *, lists: Iterable
         if block.get(key) is not None:
             check_list(f"{where}.{key}", block[key])
     return block
-
-
-# ------------------------------------------------------------------------------------------------------- paths
-def check_adapter_folder(path: str | os.PathLike, key: str) -> dict[str, Any]:
-    """Refuse a LoRA adapter folder whose adapter_config.json disagrees with its weights; returns the config.
-
-    Each module's rank (lora_A's rows) must be the config's ``r`` (or its ``rank_pattern`` entry): a config copied
-    from another run reports the wrong scaling and fails in ``load_state_dict``.
-    """
-    from peft.utils.other import get_pattern_key
-    from safetensors import safe_open
-
-    folder = Path(path)
-    config_file = folder / ADAPTER_CONFIG
-    weights = next((folder / n for n in ADAPTER_WEIGHTS if (folder / n).is_file()), None)
-    if not config_file.is_file() or weights is None:
-        refuse(
-            key,
-            str(path),
-            f"it is not a PEFT adapter folder: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS[0]}",
-            "Give a folder that save_pretrained / fora train wrote.",
-        )
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        refuse(key, str(path), f"its {ADAPTER_CONFIG} is not valid JSON ({error})", "Save the adapter again.")
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        found = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
-        refuse(key, str(path), f"it holds a {found} adapter, not LoRA", "Give a LoRA adapter folder.")
-    for name in ("r", "lora_alpha"):
-        if not (is_real(config.get(name)) and config[name] > 0):
-            refuse(f"{key} {ADAPTER_CONFIG} {name}", config.get(name), "use a number > 0", "Save the adapter again.")
-    if weights.suffix != ".safetensors":
-        return config
-    pattern = config.get("rank_pattern") or {}
-    wrong = []
-    with safe_open(str(weights), framework="pt") as tensors:
-        for tensor_key in tensors.keys():
-            if ".lora_A." not in tensor_key:
-                continue
-            rows = tensors.get_slice(tensor_key).get_shape()[0]
-            module = tensor_key.split(".lora_A.")[0].removeprefix("base_model.model.")
-            expected = pattern.get(get_pattern_key(pattern.keys(), module), config["r"])
-            if rows != expected:
-                wrong.append((module, rows, expected))
-    if wrong:
-        module, rows, expected = wrong[0]
-        refuse(
-            f"{key} {ADAPTER_CONFIG} r",
-            config["r"],
-            f"the weights of {len(wrong)} modules have another rank (e.g. {module}: rank {rows}, the config says "
-            f"{expected}), so the config does not belong to these weights",
-            f"Put the adapter_config.json that was saved with these weights back (r: {rows}), or save the adapter "
-            "again.",
-        )
-    return config

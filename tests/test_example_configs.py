@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from fora_plugin.ablate import RUNS, load_ablation_config
-from fora_plugin.cli import parse_config
+from fora_plugin.recipe import parse_config
 
 
 EXAMPLES = Path(__file__).parent.parent / "example_configs"
