@@ -38,7 +38,7 @@ from fora_plugin.plan import (
     sft_training_loss,
     trainer_view,
 )
-from fora_plugin.trainer import checkpoint_as_in_training, fora_optimizer
+from fora_plugin.training import checkpoint_as_in_training, fora_optimizer
 from fora_plugin.wiring import readapt_lora
 
 

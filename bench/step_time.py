@@ -573,7 +573,7 @@ def frozen_base(
     """The floor a LoRA step adds to: the base model's forward and backward with no adapter, its inputs requiring
     grad so that the backward runs through every layer, through the trainer's own batches, loss (TRL's) and autocast,
     as many micro-batches a step as ``accumulation``. No optimizer: ms per step is forward + backward."""
-    from fora_plugin.trainer import checkpoint_as_in_training
+    from fora_plugin.training import checkpoint_as_in_training
 
     trainer = build_trainer(
         setting,

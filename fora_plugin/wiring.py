@@ -1,4 +1,6 @@
-"""FoRA's steps around a trainer, shared by `FoRASFTTrainer` (TRL) and the Axolotl plugin.
+"""FoRA's steps on a model that need no trainer, shared by both front ends (:mod:`fora_plugin.training` runs them in
+order): choose the layers, move the LoRA adapter onto them, PEFT's input cast, the selection's files and callback, and
+FoRA's log entries.
 
 May import: adapter, checkpoints, config, diagnostics, errors, fisher, fsdp, plots, selection, stiefel, targets,
 validation, zero.
@@ -73,11 +75,9 @@ def choose_layers(
     checkpoint: str | None,
     score: Callable[[], FisherScores],
 ) -> FoRASelection:
-    """The layers ``model`` gets LoRA on under ``fora``.
-
-    Step 1 of FoRA's steps around a trainer, :func:`choose_layers`: the K decoder layers to adapt (Fisher scores
-    from a caller-given scorer, explicit indices, a control strategy, saved scores, or the selection saved with the
-    checkpoint being resumed).
+    """The layers ``model`` gets LoRA on under ``fora``: the K decoder layers to adapt, from Fisher scores (a
+    caller-given scorer), explicit indices, a control strategy, saved scores, or the selection saved with the
+    checkpoint being resumed.
 
     ``checkpoint`` is the checkpoint the run resumes from (its saved selection is reused, nothing is scored);
     ``score`` computes the Fisher scores when they are needed: the caller's data and loss.
@@ -180,12 +180,9 @@ def init_fora_adapters(model: nn.Module, selection: FoRASelection, fora: FoRACon
 def readapt_lora(
     model: PeftModel, selection: FoRASelection, fora: FoRAConfig, seed: int, *, autocast_adapter_dtype: bool = True
 ) -> None:
-    """Move ``model``'s LoRA adapter onto the chosen layers only, then :func:`init_fora_adapters`.
-
-    Step 2 of FoRA's steps around a trainer (after step 1, :func:`choose_layers`), :func:`readapt_lora`: the
-    trainer's LoRA adapter moved onto those layers (:func:`restrict_lora_config` points the LoraConfig at exactly
-    their target linears), then :func:`init_fora_adapters`: Stiefel ``lora_B`` for the modes that use it, and the
-    per-layer parameter counts.
+    """Move ``model``'s LoRA adapter onto the chosen layers only (:func:`restrict_lora_config` points the LoraConfig
+    at exactly their target linears), then :func:`init_fora_adapters`: Stiefel ``lora_B`` for the modes that use it,
+    and the per-layer parameter counts.
 
     The trainer (SFTTrainer, Axolotl's) wrapped every layer the LoraConfig targets. The adapter comes off (weights
     and wrappers) and goes back under the same name with the same LoraConfig object, restricted in place (a trainer
@@ -425,8 +422,6 @@ class SaveSelectionCallback(TrainerCallback):
 class FoRALogs:
     """What FoRA adds to a training log: the largest ‖BᵀB − I‖, the mean effective rank of ΔW, and (in the first
     log only) the number of adapted layers, the trainable parameters and their ratio to LoRA on all layers.
-
-    Step 5 of FoRA's steps around a trainer, :class:`FoRALogs`: what FoRA adds to every training log.
     """
 
     def __init__(self, selection: FoRASelection) -> None:

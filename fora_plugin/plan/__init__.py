@@ -100,7 +100,7 @@ def run_plan(setup: PlanSetup, modes: tuple[str, ...] = MODES, *, full_depth: bo
     runs on it: one Fisher scoring batch through :func:`fora_plugin.fisher.fisher_scores` on the model as scoring holds
     it (LoRA on every target layer, adapters off), and one training step per mode (``fora``, ``fg-lora``, ``lora``):
     forward and backward with the run's checkpointing and autocast, and the optimizer step with its states (FoRA's
-    optimizer as :func:`fora_plugin.trainer.fora_optimizer` builds it, the Trainer's AdamW for ``lora``).
+    optimizer as :func:`fora_plugin.training.fora_optimizer` builds it, the Trainer's AdamW for ``lora``).
 
     A decoder stack that repeats every p layers is run at p, 2p and 3p layers and extrapolated to its L layers when
     every count lies exactly on one line (:func:`extrapolation_depths`); else, or with ``full_depth``, all L layers

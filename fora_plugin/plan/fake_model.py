@@ -6,7 +6,7 @@ ones, answer the ``.item()`` calls of checkpointing and masking. A 4-bit bitsand
 quantized for fisher.py (scored from x and g, no weight gradient), with one dequantized weight alive during each of
 its matmuls. Also here: the pieces of a Trainer the plan's steps use (its view, batch, autocast, LoRA's AdamW).
 
-May import: backward, fisher, models, plan.setup, targets, trainer, wiring.
+May import: backward, fisher, models, plan.setup, targets, training, wiring.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..backward import disable_input_require_grads, stop_backward_at_lowest_adap
 from ..fisher import mark_quantized
 from ..models import meta_model
 from ..targets import find_decoder_layers
-from ..trainer import checkpoint_as_in_training
+from ..training import checkpoint_as_in_training
 from ..wiring import choose_layers, set_input_cast
 from .setup import PlanSetup, planned_layers
 
@@ -170,7 +170,7 @@ def planned_autocast(setup: PlanSetup, device: torch.device):
 
 
 def trainer_view(setup: PlanSetup, model: nn.Module):
-    """What trainer.checkpoint_as_in_training, trainer.fora_optimizer and the backward stop use of a Trainer: its
+    """What training.checkpoint_as_in_training, training.fora_optimizer and the backward stop use of a Trainer: its
     args, decay parameter names and callbacks, for ``model``, without building a Trainer."""
 
     class View:

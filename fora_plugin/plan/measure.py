@@ -3,11 +3,11 @@
 One Fisher scoring batch through :func:`fora_plugin.fisher.fisher_scores` on the model as scoring holds it (LoRA on
 every target layer, adapters off), and one training step per mode: forward and backward with the run's
 checkpointing and autocast, and the optimizer step with its states (FoRA's optimizer as
-:func:`fora_plugin.trainer.fora_optimizer` builds it, the Trainer's AdamW for ``lora``). A
+:func:`fora_plugin.training.fora_optimizer` builds it, the Trainer's AdamW for ``lora``). A
 :class:`~fora_plugin.memory.LiveTensorTracker` counts live storages, and breaks each peak into parts: weights, LoRA
 (parameters, gradients, optimizer states, the Stiefel part), activations and transient buffers.
 
-May import: config, fisher, memory, plan.fake_model, plan.kernels, plan.setup, sharding, trainer, wiring.
+May import: config, fisher, memory, plan.fake_model, plan.kernels, plan.setup, sharding, training, wiring.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..config import MODE_PARTS
 from ..fisher import fisher_scores
 from ..memory import LiveTensorTracker
 from ..sharding import ENGINES
-from ..trainer import fora_optimizer
+from ..training import fora_optimizer
 from ..wiring import readapt_lora
 from .fake_model import (
     dequantized_during_matmul,
