@@ -26,7 +26,7 @@ share of the optimizer phase (the thread's CPU time: what issuing its work costs
 timed steps after the warm-up ones. On a GPU, peak memory is
 ``torch.cuda.max_memory_allocated``/``max_memory_reserved`` over the whole ``train()`` (weights included); on the
 CPU, ``--live-memory`` counts the peak of live tensor bytes with the storage tracker ``fora plan`` simulates
-(:class:`fora_plugin.memory.LiveTensorTracker`; it slows the step, so the times are then not worth reading).
+(:class:`fora_plugin.plan.memory.LiveTensorTracker`; it slows the step, so the times are then not worth reading).
 
     python bench/step_time.py                                  # CPU: issue 29's setting, a few minutes on 2 cores
     python bench/step_time.py --threads 1 --clock cpu          # the same on a busy machine
@@ -387,7 +387,7 @@ class StepProfiler(TrainerCallback):
 @contextlib.contextmanager
 def live_memory(model: torch.nn.Module):
     """The storage tracker `fora plan` simulates, around a real run, holding the model's weights from the start."""
-    from fora_plugin.memory import LiveTensorTracker
+    from fora_plugin.plan.memory import LiveTensorTracker
 
     tracker = LiveTensorTracker()
     for t in [*model.parameters(), *model.buffers()]:

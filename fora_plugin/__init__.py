@@ -2,9 +2,9 @@
 
 The public API: the config, the Stiefel adapter, Fisher scoring, layer selection, the optimizers and the TRL trainer.
 The layers of the package, each importing only those before it: errors, logfilters, stiefel, validation, files,
-models, targets, checkpoints, fisher, selection, adapter, optim, config, backward, memory, diagnostics, plots,
-monitor, sharding, zero, fsdp, compatibility, wiring, training, trainer, data, axolotl, recipe, evaluation, report,
-mt_bench, plan, ablate, cli.
+models, targets, checkpoints, fisher, selection, adapter, optim, config, backward, diagnostics, plots, monitor, zero,
+fsdp, compatibility, wiring, training, trainer, data, axolotl, recipe, evaluation, report, mt_bench, plan, ablate,
+cli.
 
 May import: every module of fora_plugin.
 """

@@ -5,7 +5,7 @@ Axolotl YAML through its `fora train` keys, checks the engine (DeepSpeed ZeRO, F
 and gathers the shapes, precision, LoRA and FoRA settings into a :class:`PlanSetup`; :func:`planned_placement` says
 which K layers fora and fg-lora are planned on.
 
-May import: config, errors, fsdp, models, recipe, selection, sharding, targets, zero.
+May import: config, errors, fsdp, models, plan.engine_rules, recipe, selection, targets, zero.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from ..fsdp import check_fsdp, check_one_engine
 from ..models import load_model_config
 from ..recipe import load_yaml_config, parse_config
 from ..selection import check_layer_indices, load_scores, resolve_layer_budget, select_layers
-from ..sharding import ENGINES
 from ..targets import check_target_modules, check_target_parameters
 from ..zero import check_deepspeed_config, load_deepspeed_config
+from .engine_rules import ENGINES
 
 
 __all__ = [
@@ -138,7 +138,7 @@ class PlanSetup:
     autocast_dtype: torch.dtype | None
     checkpointing: bool
     four_bit: FourBit | None
-    engine: str  # a key of fora_plugin.sharding.ENGINES: "single", "ddp", "zero1", "zero2", "zero3", "fsdp2"
+    engine: str  # a key of fora_plugin.plan.engine_rules.ENGINES: "single", "ddp", "zero1", "zero2", "zero3", "fsdp2"
     gpus: int
     output_dir: Path
     notes: list[str] = dataclasses.field(default_factory=list)
