@@ -31,7 +31,7 @@ from .errors import FoRAInputError
 from .fisher import FisherScores, fisher_scores
 from .fsdp import prepare_fsdp2
 from .monitor import DivergenceMonitor
-from .optim import FoRAOptimizer, build_fora_optimizer
+from .optim import FoRAOptimizer, create_fora_optimizer
 from .selection import FoRASelection
 from .wiring import (
     FoRALogs,
@@ -181,7 +181,7 @@ def fora_optimizer(
     """
     args = trainer.args
     # bf16 adapters step through fp32 masters; under DeepSpeed its fp32 partitions are lora_A's masters.
-    build = functools.partial(build_fora_optimizer, master_weights=fora.adapter_dtype == "bfloat16")
+    build = functools.partial(create_fora_optimizer, master_weights=fora.adapter_dtype == "bfloat16")
     if deepspeed_zero_stage(trainer) == 3 and fora.uses_stiefel:
         build = functools.partial(build_zero3_fora_optimizer, max_grad_norm=args.max_grad_norm)
     elif trainer.is_deepspeed_enabled and fora.uses_stiefel:
