@@ -90,7 +90,8 @@ def _llama(**shape) -> Any:
 
 
 def _bundled_llama_3b() -> Any:
-    from fora_plugin.plan import find_model_config, load_model_config
+    from fora_plugin.models import load_model_config
+    from fora_plugin.plan import find_model_config
 
     return load_model_config(find_model_config("meta-llama/Llama-3.2-3B"))
 

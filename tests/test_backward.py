@@ -23,7 +23,7 @@ from fora_plugin.backward import (
     stop_backward_at_lowest_adapted_layer,
     trainable_below,
 )
-from fora_plugin.fisher import find_decoder_layers
+from fora_plugin.targets import find_decoder_layers
 
 
 HERE = Path(__file__).parent

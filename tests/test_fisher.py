@@ -10,7 +10,8 @@ from conftest import GPT2_TARGETS, TARGETS, tiny_gpt2, tiny_llama
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from fora_plugin.fisher import _LayerAccumulator, find_decoder_layers, fisher_scores, squared_norm_of_outer_sum
+from fora_plugin.fisher import _LayerAccumulator, fisher_scores, squared_norm_of_outer_sum
+from fora_plugin.targets import find_decoder_layers
 
 
 def make_batches(n=3, batch=2, length=10, seed=0, masked_prefix=0):

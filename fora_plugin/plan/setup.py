@@ -43,7 +43,6 @@ __all__ = [
     "FourBit",
     "PlanSetup",
     "find_model_config",
-    "load_model_config",
     "plan_setup",
     "planned_layers",
     "planned_placement",
