@@ -560,7 +560,7 @@ def test_the_entry_point_name_stops_the_run_with_the_dotted_name(workspace):
     assert "Traceback" not in output and not (workspace / "short").exists()
 
 
-# Issue 21: what Axolotl itself takes without a check, refused by the plugin's args when the YAML enables it.
+# What Axolotl itself takes without a check, refused by the plugin's args when the YAML enables it.
 USER_INPUT_REFUSED = [
     ({"lora_r": 0}, r"lora_r=0 is invalid: use an int >= 1"),
     ({"lora_alpha": 0}, r"lora_alpha=0 is invalid: .*the adapter does nothing"),

@@ -1,4 +1,4 @@
-"""The backward stops at the lowest adapted decoder layer, with activation checkpointing too (issue 29).
+"""The backward stops at the lowest adapted decoder layer, with activation checkpointing too.
 
 Each run trains one step through ``FoRASFTTrainer``'s real wiring (TRL's embeddings hook, ``Trainer.train``'s own
 ``activation_checkpointing_enable``, the callback), and is compared with the behaviour before: the same LoRA weights

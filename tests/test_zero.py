@@ -58,8 +58,8 @@ def torchrun(script: Path | str, *args: str, nproc: int = 2, timeout: int = 1200
             cwd=HERE.parent,
         )
         # A gloo process can abort at interpreter exit, after destroy_process_group, with a C++ thread still
-        # joinable: once in a full suite on this 2-core machine (tests/distributed/fsdp_engine.py, issue 26's
-        # review), never in 4 runs of its test alone. That one signature is run once more; anything else fails.
+        # joinable: once in a full suite on this 2-core machine (tests/distributed/fsdp_engine.py), never in 4
+        # runs of its test alone. That one signature is run once more; anything else fails.
         if result.returncode == 0 or "terminate called without an active exception" not in result.stderr:
             break
     if result.returncode != 0:
