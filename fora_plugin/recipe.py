@@ -41,6 +41,7 @@ from .zero import check_deepspeed_config, load_deepspeed_config
 
 
 __all__ = [
+    "RENAMED_TRAINING_ARGUMENTS",
     "build_trainer",
     "check_deepspeed_launch",
     "check_layers_fit",
@@ -57,6 +58,12 @@ logger = logging.getLogger(__name__)
 
 # What torchrun, `deepspeed` and `accelerate launch` set in every process they start.
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+# transformers 5.23 renamed these training arguments, keeping the old names as deprecated aliases. With an older one
+# (Axolotl 0.21 pins 5.20.1, the floor) a config's new names are read as the old ones: one config runs on both.
+RENAMED_TRAINING_ARGUMENTS = {
+    "activation_checkpointing": "gradient_checkpointing",
+    "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
+}
 # Keys declared as lists whose owner also reads a string: PEFT a regex or `all-linear` (a lone name is made a list by
 # targets.target_names), TrainingArguments a space-separated `debug`.
 _LISTS_THAT_TAKE_A_STRING = ("lora_target_modules", "lora_target_parameters", "debug")
@@ -132,9 +139,16 @@ def parse_config(config: str, overrides: list[str], *, shown_as: str | None = No
                 f"{_blamed(message, name, overrides)}. `fora train --help` lists the keys and values."
             )
 
+        def set_defaults_with_config(self, **values):
+            # The YAML's renamed training arguments, under the names this transformers knows.
+            return super().set_defaults_with_config(**{older.get(k, k): v for k, v in values.items()})
+
     data = load_yaml_config(config)  # its syntax and shape, with the file and line of a mistake
     parser = ConfigParser((ScriptArguments, SFTConfig, ModelConfig, FoRAArguments))
     keys = {action.dest for action in parser._actions} - {"help"}
+    older = {new: old for new, old in RENAMED_TRAINING_ARGUMENTS.items() if new not in keys and old in keys}
+    keys |= older.keys()
+    as_parsed = [_older_flag(token, older) for token in overrides]
     known_as = "the keys of trl's ScriptArguments, SFTConfig and ModelConfig or the fora_* keys (`fora train --help`)"
     check_known_keys([k for k in data if k != "env"], sorted(keys), f"config {name}", "keys", known_as)
     # A YAML string for a list would be read as its characters (lora_modules_to_save: lm_head adapts every module
@@ -147,7 +161,7 @@ def parse_config(config: str, overrides: list[str], *, shown_as: str | None = No
     # command line are checked once parsed (below), as are YAML strings, which the parser converts.
     check_numbers({k: v for k, v in data.items() if not isinstance(v, str)}, LORA_KEYS + TRAINING_KEYS)
     options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
-    given = [token.split("=", 1)[0] for token in overrides if token.startswith("--")]
+    given = [token.split("=", 1)[0] for token in as_parsed if token.startswith("--")]
     # argparse takes an unambiguous prefix of an option too.
     unknown = [g for g in given if not any(o.startswith(g) for o in options)]
     check_known_keys(unknown, options, "the command line", "overrides", known_as.replace("keys", "--keys", 1))
@@ -158,7 +172,7 @@ def parse_config(config: str, overrides: list[str], *, shown_as: str | None = No
         read_json(deepspeed, key=where)
     try:
         script_args, training_args, model_args, fora_args = parser.parse_args_and_config(
-            ["--config", config, *overrides]
+            ["--config", config, *as_parsed]
         )
     except (ValueError, TypeError) as error:
         # The argument classes' own checks (TrainingArguments' consistency checks): about what the config or the
@@ -196,6 +210,13 @@ def check_lora_arguments(model_args: Any) -> None:
             "lora_dropout != 0",
             "Set lora_dropout: 0.0.",
         )
+
+
+def _older_flag(token: str, older: dict[str, str]) -> str:
+    """A command-line token with a renamed argument's flag (``--activation_checkpointing[=...]``) under the name of
+    ``older`` (new -> old), as this transformers knows it."""
+    flag, equals, value = token.partition("=")
+    return f"--{older[flag[2:]]}{equals}{value}" if flag.startswith("--") and flag[2:] in older else token
 
 
 def _given(key: str, data: dict, overrides: list[str]) -> tuple[object, str]:
