@@ -1,6 +1,9 @@
-"""Tiny randomly initialised models and a character tokenizer, built locally: no hub, no download."""
+"""Tiny randomly initialised models and a character tokenizer, built locally: no hub, no download; and the README's
+code blocks, which tests run as written."""
 
+import re
 import string
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from transformers import (
 )
 
 
+README = Path(__file__).resolve().parent.parent / "README.md"
 GPT2_TARGETS = ["c_attn", "c_fc"]  # GPT-2's Conv1D linears: weight (in, out)
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # fused (E, ., .) expert Parameters
 TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
@@ -108,3 +112,11 @@ def llama():
 def token_batch():
     gen = torch.Generator().manual_seed(123)
     return torch.randint(0, 96, (2, 12), generator=gen)
+
+
+def readme_code(language: str, marker: str) -> str:
+    """The README's one fenced ``language`` block that holds ``marker``, as written."""
+    blocks = re.findall(rf"^```{language}\n(.*?)^```$", README.read_text(), re.M | re.S)
+    found = [block for block in blocks if marker in block]
+    assert len(found) == 1, f"README.md has {len(found)} {language} blocks holding {marker!r}"
+    return found[0]

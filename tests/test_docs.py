@@ -282,6 +282,17 @@ def test_each_docs_page_has_a_title_and_links_back_to_the_readme(page):
     assert f"](docs/{page.name})" in README.read_text() or f"](docs/{page.name}#" in README.read_text()
 
 
+def test_the_api_pages_layout_lists_the_packages_layers_in_their_import_order():
+    import fora_plugin
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    layout = text[text.index("## Layout") :]
+    rows = re.findall(r"^\| `fora_plugin/([\w]+)(?:\.py|/)`", layout, re.M)
+    match = re.search(r"each importing only those before it: (.*?)\.\n", fora_plugin.__doc__, re.S)
+    order = [name.strip() for name in " ".join(match.group(1).split()).split(",")]
+    assert rows == order, "docs/api.md's Layout table lists the layers of fora_plugin/__init__.py, in that order"
+
+
 def test_the_checks_catch_a_made_up_flag_subcommand_script_link_and_anchor():
     made_up = {
         "```bash\nfora train example_configs/quickstart.yaml --fora_made_up 1\n```": "knows no flag --fora_made_up",

@@ -4,13 +4,15 @@ import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import TARGETS, char_tokenizer, tiny_llama
+from conftest import TARGETS, char_tokenizer, readme_code, tiny_llama, tiny_llama_config
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
 from trl import SFTConfig, SFTTrainer
 
 import fora_plugin.training as training_module
@@ -340,3 +342,34 @@ def test_a_diverging_run_warns_once_with_the_step_and_the_fix(tmp_path, caplog):
 def test_a_scheduler_that_breaks_the_lr_ratio_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"lr_scheduler_type='greedy' cannot be used with FoRA"):
         make_trainer(tmp_path, lr_scheduler_type="greedy", eval_strategy="steps", eval_steps=2)
+
+
+@pytest.mark.slow
+def test_the_readmes_trl_snippet_runs_as_written_but_for_the_model_and_the_step_counts(tmp_path, monkeypatch):
+    """The README's TRL snippet, run as written but for its model (a tiny Llama and the character tokenizer) and its
+    counts (2 training steps, 2 scoring batches: 500 and 128 would take an hour on a CPU)."""
+    code = readme_code("python", "FoRASFTTrainer(")
+    for written in ('"path/to/model"', "max_steps=500", "fisher_batches=128"):
+        assert code.count(written) == 1, written
+    model_dir = tmp_path / "model"
+    # 2 key/value heads of 16: k_proj and v_proj have the 32 outputs that the snippet's r = 32 Stiefel columns need.
+    LlamaForCausalLM(tiny_llama_config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128)).save_pretrained(
+        model_dir
+    )
+    char_tokenizer().save_pretrained(model_dir)
+    code = code.replace('"path/to/model"', repr(str(model_dir)))
+    code = code.replace("max_steps=500", "max_steps=2").replace("fisher_batches=128", "fisher_batches=2")
+    if not torch.cuda.is_available():  # as the snippet's comment says: TRL's default bf16 needs a GPU otherwise
+        code = code.replace("SFTConfig(", "SFTConfig(use_cpu=True, ")
+    monkeypatch.chdir(tmp_path)  # its relative paths: the bundled data it reads, the `out` folder it writes
+    (tmp_path / "example_configs").symlink_to(Path(__file__).resolve().parents[1] / "example_configs")
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 (the README's own code)
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step == 2 and len(trainer.fora_selection.chosen) == 2  # K = 0.5 of 4 layers
+    assert trainer.fora_selection.scores.num_batches == 2 and trainer.fora_config.lr_stiefel == 1e-3
+    saved = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert {int(key.split(".layers.")[1].split(".")[0]) for key in saved} == set(trainer.fora_selection.chosen)
+    assert json.loads((tmp_path / "out" / "fora_scores.json").read_text())["chosen_layers"] == (
+        trainer.fora_selection.chosen
+    )
