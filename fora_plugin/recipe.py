@@ -46,7 +46,6 @@ __all__ = [
     "check_deepspeed_launch",
     "check_layers_fit",
     "check_lora_arguments",
-    "check_output_dir",
     "check_precision",
     "check_scoring_afresh",
     "load_yaml_config",
@@ -247,11 +246,6 @@ def _blamed(message: str, config: str, overrides: list[str]) -> str:
     return f"config {config}: {message}"
 
 
-def check_output_dir(output_dir: str) -> None:
-    """Refuse an ``output_dir`` that is a file or cannot be written, before anything is computed."""
-    check_output_folder(output_dir, "output_dir")
-
-
 def check_deepspeed_launch(deepspeed, fora_config) -> None:
     """Check a DeepSpeed run before the model loads: FoRA's refusals first, then that a launcher started it.
 
@@ -304,7 +298,7 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
         )
     if script_args.dataset_name is None:
         raise FoRAInputError("The config has no dataset_name: name a local .json/.jsonl file or a `datasets` name.")
-    check_output_dir(training_args.output_dir)
+    check_output_folder(training_args.output_dir, "output_dir")
     check_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     check_deepspeed_launch(training_args.deepspeed, fora_config)
     check_precision(training_args)

@@ -103,6 +103,15 @@ def tiny_moe(num_layers: int = 4, seed: int = 0, num_experts: int = 4, vocab_siz
     return Qwen3MoeForCausalLM(config).eval()
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A folder holding a saved 2-layer tiny Llama and the character tokenizer."""
+    folder = tmp_path_factory.mktemp("model")
+    tiny_llama(2).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture
 def llama():
     return tiny_llama()

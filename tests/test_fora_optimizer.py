@@ -256,3 +256,15 @@ def test_create_fora_optimizer_takes_every_setting_by_keyword_and_steps_as_build
         create_fora_optimizer(created_model, lr=1e-3)  # lr_stiefel is required: no silent default
     with pytest.raises(TypeError):
         create_fora_optimizer(created_model, lr=1e-3, lr_stiefel=1e-3, momentum=0.9)  # nothing passes unread
+
+
+def test_create_fora_optimizer_has_the_defaults_of_fora_optimizer_parts():
+    import inspect
+
+    explicit = inspect.signature(create_fora_optimizer).parameters
+    flexible = inspect.signature(fora_optimizer_parts).parameters
+    assert all(p.kind is p.KEYWORD_ONLY for name, p in explicit.items() if name != "model")
+    assert explicit["lr"].default is explicit["lr_stiefel"].default is inspect.Parameter.empty  # required
+    shared = set(explicit) & set(flexible) - {"model", "lr", "lr_stiefel"}
+    assert set(explicit) - set(flexible) == {"foreach", "fused"}  # AdamW's flags, which build_fora_optimizer passes on
+    assert {name: explicit[name].default for name in shared} == {name: flexible[name].default for name in shared}

@@ -3,7 +3,7 @@ gives checked against the model (on the meta device) before it loads."""
 
 import pytest
 import torch
-from conftest import EXPERT_PARAMETERS, TARGETS, char_tokenizer, tiny_llama, tiny_moe
+from conftest import EXPERT_PARAMETERS, TARGETS, tiny_moe
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
@@ -87,14 +87,6 @@ def test_targets_peft_renames_to_experts_a_model_without_them_does_not_have_are_
     check_target_modules(config, ["q_proj", "v_proj"], key="lora_target_modules")
     with pytest.raises(FoRAInputError, match=r"PEFT renames \['gate_proj', 'up_proj'\] for every 'qwen3_moe' model"):
         check_target_modules(config, ["q_proj", "gate_proj", "up_proj"], key="lora_target_modules")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("model")
-    tiny_llama(2).save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder
 
 
 def test_target_modules_are_checked_against_the_model_on_the_meta_device(model_dir):
