@@ -495,7 +495,8 @@ def test_a_log_reads_the_zero_clients_gradient_norm_once():
     # Seen before: twice (a host sync each), so a log under DeepSpeed made three host reads where one is the aim.
     from host_sync import HostSyncCounter
 
-    from fora_plugin.wiring import FoRALogs, FoRASelection
+    from fora_plugin.selection import FoRASelection
+    from fora_plugin.wiring import FoRALogs
 
     model = small_model()
     optimizer = build_zero_fora_optimizer(model, lr=1e-2, lr_stiefel=5e-2, max_grad_norm=0.05, fused=True)
