@@ -140,7 +140,8 @@ def build_model(scale: Scale, device: torch.device, folder: Path) -> None:
     from conftest import char_tokenizer, tiny_llama_config
     from transformers import AutoModelForCausalLM
 
-    from fora_plugin.plan import find_model_config, load_model_config
+    from fora_plugin.models import load_model_config
+    from fora_plugin.plan import find_model_config
 
     if scale.tiny:
         config = tiny_llama_config(4, vocab_size=99, hidden_size=64, intermediate_size=128)

@@ -139,7 +139,8 @@ def make_batch(model: nn.Module, name: str, device: torch.device) -> dict[str, t
 
 def prepare(kind: str, model: nn.Module, batch: dict[str, torch.Tensor]) -> Callable[[], Any]:
     """The measured operation of ``kind`` for one batch; its setup (flags, adapters, optimizer) is done here."""
-    from fora_plugin.fisher import find_decoder_layers, fisher_scores
+    from fora_plugin.fisher import fisher_scores
+    from fora_plugin.targets import find_decoder_layers
 
     if kind == "scoring":
         return lambda: fisher_scores(model, [batch], 1, progress=False)

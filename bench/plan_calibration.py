@@ -7,7 +7,7 @@ and without gradient checkpointing. The real run loads the weights, scores one b
 :func:`fora_plugin.fisher.fisher_scores` (LoRA on every layer, adapters off, as the trainer scores), then trains FoRA
 on the layers the plan assumes (every other layer from 0) for two steps with FoRA's optimizer; the second step is
 the steady one (optimizer states alive through it). Its live tensor bytes are counted by the same storage tracker
-(:class:`fora_plugin.memory.LiveTensorTracker`) that `fora plan` runs on fake tensors: RSS is another quantity
+(:class:`fora_plugin.plan.memory.LiveTensorTracker`) that `fora plan` runs on fake tensors: RSS is another quantity
 (allocator caches, the Python heap, libraries). The plan builds the same model from config.json alone.
 Acceptance: every simulated peak within 10% of the measured one.
 """
@@ -28,7 +28,6 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 from fora_plugin.fisher import fisher_scores
-from fora_plugin.memory import LiveTensorTracker
 from fora_plugin.models import BUNDLED_GEMMA, resolve_model_path
 from fora_plugin.plan import (
     add_sft_loss_head,
@@ -38,7 +37,8 @@ from fora_plugin.plan import (
     sft_training_loss,
     trainer_view,
 )
-from fora_plugin.trainer import checkpoint_as_in_training, fora_optimizer
+from fora_plugin.plan.memory import LiveTensorTracker
+from fora_plugin.training import checkpoint_as_in_training, fora_optimizer
 from fora_plugin.wiring import readapt_lora
 
 

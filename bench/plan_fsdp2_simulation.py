@@ -26,7 +26,7 @@ from fora_plugin import plan
 from fora_plugin.fsdp import init_sharded_stiefel_state
 from fora_plugin.optim import cayley_adam
 from fora_plugin.targets import find_decoder_layers
-from fora_plugin.trainer import fora_optimizer
+from fora_plugin.training import fora_optimizer
 from fora_plugin.wiring import readapt_lora
 
 

@@ -140,7 +140,8 @@ def make_batch(vocab_size: int, batch_size: int, seq_len: int, device: torch.dev
 
 def prepare(kind: str, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Callable[[], Any]:
     """The measured operation; its setup (adapters, optimizer) is done here, outside the measurement."""
-    from fora_plugin.fisher import find_decoder_layers, fisher_scores
+    from fora_plugin.fisher import fisher_scores
+    from fora_plugin.targets import find_decoder_layers
 
     if kind == "scoring":
         return lambda: fisher_scores(model, [batch], 1, progress=False)

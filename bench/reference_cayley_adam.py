@@ -17,16 +17,8 @@ from typing import Any
 import torch
 
 from fora_plugin.adapter import expert_blocks
-from fora_plugin.optim.cayley_adam import (
-    REPROJECT_THRESHOLD,
-    CayleyAdam,
-    all_reduce_sum,
-    bucket_key,
-    init_cayley_adam_state,
-    local_gradient,
-    local_rows,
-    reduce_groups,
-)
+from fora_plugin.optim.cayley_adam import REPROJECT_THRESHOLD, CayleyAdam, bucket_key, init_cayley_adam_state
+from fora_plugin.optim.dtensor import all_reduce_sum, local_gradient, local_rows, reduce_groups
 from fora_plugin.stiefel import CAYLEY_SOLVERS, inverse_cholesky_factor
 
 

@@ -67,7 +67,7 @@ def worker(run: str, steps: int, fisher_batches: int, layers: str | None, result
     import torch
     from transformers import TrainerCallback
 
-    from fora_plugin.cli import build_trainer
+    from fora_plugin.recipe import build_trainer
     from fora_plugin.trainer import FoRASFTTrainer
 
     torch.set_num_threads(2)

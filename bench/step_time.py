@@ -26,7 +26,7 @@ share of the optimizer phase (the thread's CPU time: what issuing its work costs
 timed steps after the warm-up ones. On a GPU, peak memory is
 ``torch.cuda.max_memory_allocated``/``max_memory_reserved`` over the whole ``train()`` (weights included); on the
 CPU, ``--live-memory`` counts the peak of live tensor bytes with the storage tracker ``fora plan`` simulates
-(:class:`fora_plugin.memory.LiveTensorTracker`; it slows the step, so the times are then not worth reading).
+(:class:`fora_plugin.plan.memory.LiveTensorTracker`; it slows the step, so the times are then not worth reading).
 
     python bench/step_time.py                                  # CPU: issue 29's setting, a few minutes on 2 cores
     python bench/step_time.py --threads 1 --clock cpu          # the same on a busy machine
@@ -90,7 +90,8 @@ def _llama(**shape) -> Any:
 
 
 def _bundled_llama_3b() -> Any:
-    from fora_plugin.plan import find_model_config, load_model_config
+    from fora_plugin.models import load_model_config
+    from fora_plugin.plan import find_model_config
 
     return load_model_config(find_model_config("meta-llama/Llama-3.2-3B"))
 
@@ -387,7 +388,7 @@ class StepProfiler(TrainerCallback):
 @contextlib.contextmanager
 def live_memory(model: torch.nn.Module):
     """The storage tracker `fora plan` simulates, around a real run, holding the model's weights from the start."""
-    from fora_plugin.memory import LiveTensorTracker
+    from fora_plugin.plan.memory import LiveTensorTracker
 
     tracker = LiveTensorTracker()
     for t in [*model.parameters(), *model.buffers()]:
@@ -573,7 +574,7 @@ def frozen_base(
     """The floor a LoRA step adds to: the base model's forward and backward with no adapter, its inputs requiring
     grad so that the backward runs through every layer, through the trainer's own batches, loss (TRL's) and autocast,
     as many micro-batches a step as ``accumulation``. No optimizer: ms per step is forward + backward."""
-    from fora_plugin.trainer import checkpoint_as_in_training
+    from fora_plugin.training import checkpoint_as_in_training
 
     trainer = build_trainer(
         setting,

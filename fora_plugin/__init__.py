@@ -2,9 +2,9 @@
 
 The public API: the config, the Stiefel adapter, Fisher scoring, layer selection, the optimizers and the TRL trainer.
 The layers of the package, each importing only those before it: errors, logfilters, stiefel, validation, files,
-models, targets, checkpoints, fisher, selection, adapter, optim, config, backward, memory, diagnostics, plots,
-monitor, sharding, zero, fsdp, compatibility, wiring, trainer, data, axolotl, recipe, evaluation, report, mt_bench,
-plan, ablate, cli.
+models, targets, checkpoints, fisher, selection, adapter, optim, config, backward, diagnostics, plots, monitor, zero,
+fsdp, compatibility, wiring, training, trainer, data, axolotl, recipe, evaluation, report, mt_bench, plan, ablate,
+cli.
 
 May import: every module of fora_plugin.
 """
@@ -13,7 +13,7 @@ from . import logfilters, stiefel  # noqa: F401  (logfilters first: bitsandbytes
 from .adapter import make_stiefel, stiefel_num_experts, stiefel_parameters
 from .config import FoRAConfig
 from .fisher import FisherScores, fisher_scores
-from .optim import CayleyAdam, FoRAOptimizer, build_fora_optimizer
+from .optim import CayleyAdam, FoRAOptimizer, build_fora_optimizer, create_fora_optimizer
 from .selection import select_layers
 from .trainer import FoRASFTTrainer
 
@@ -28,6 +28,7 @@ __all__ = [
     "FoRASFTTrainer",
     "__version__",
     "build_fora_optimizer",
+    "create_fora_optimizer",
     "fisher_scores",
     "make_stiefel",
     "select_layers",

@@ -8,7 +8,7 @@ KL(p_trained ‖ p_base). The effective rank is that of the merged ΔW (merged m
 rescaling counts as it does in the model. A run whose ``results.json`` exists is not trained again, so an interrupted
 ablation resumes.
 
-May import: config, data, errors, evaluation, mt_bench, plots, recipe, report, validation.
+May import: config, errors, evaluation, files, mt_bench, plots, recipe, report, validation.
 """
 
 from __future__ import annotations
@@ -24,19 +24,15 @@ import yaml
 
 from . import mt_bench
 from .config import MODE_PARTS
-from .data import read_json
 from .errors import FoRAInputError, refuse
 from .evaluation import check_commonsense_examples, commonsense_accuracy, completion_loss
+from .files import check_file, check_nonblank_text, check_output_folder, check_text_file, read_json
 from .plots import pyplot
 from .recipe import build_trainer, load_yaml_config, parse_config
 from .report import adapter_report, kl_to_base, merged_mean_effective_rank
 from .validation import (
     check_block,
-    check_file,
-    check_nonblank_text,
     check_numbers,
-    check_output_folder,
-    check_text_file,
 )
 
 

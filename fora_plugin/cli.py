@@ -4,8 +4,8 @@ A config is a ``trl sft`` config (``ScriptArguments`` + ``SFTConfig`` + ``ModelC
 (:class:`FoRAConfig`'s fields with a prefix). Any key can be overridden on the command line:
 ``fora train example_configs/quickstart.yaml --learning_rate 1e-4 --fora_layer_budget 4``.
 
-May import: ablate, config, errors, evaluation, logfilters, models, mt_bench, plan, plots, recipe, report,
-validation, wiring.
+May import: ablate, config, errors, evaluation, files, logfilters, models, mt_bench, plan, plots, recipe, report,
+selection, validation, wiring.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from . import __version__, mt_bench
 from .ablate import run_ablation
 from .config import FoRAArguments
-from .errors import FoRAInputError, path_refusal
+from .errors import FoRAInputError, path_refusal, refuse
 from .evaluation import (
     check_commonsense_examples,
     commonsense_accuracy,
@@ -32,26 +32,21 @@ from .evaluation import (
     mt_bench_judge_command,
     perplexity,
 )
+from .files import check_nonblank_text, check_output_folder, check_text_file, read_json
 from .logfilters import drop
 from .models import check_model, load_model
 from .plan import plan
 from .plots import plot_fisher_scores
-from .recipe import build_trainer, parse_config
-from .report import adapter_report, kl_to_base, markdown_summary, plot_spectra
+from .recipe import build_trainer
+from .report import adapter_report, check_adapter_folder, kl_to_base, markdown_summary, plot_spectra
+from .selection import SCORES_FILE, SCORES_PLOT, FoRASelection
 from .validation import (
-    check_adapter_folder,
-    check_eval_arguments,
-    check_nonblank_text,
     check_number,
-    check_output_folder,
-    check_text_file,
-    read_json,
-    refuse,
 )
-from .wiring import SCORES_FILE, SCORES_PLOT, write_selection
+from .wiring import write_selection
 
 
-__all__ = ["build_parser", "build_trainer", "main", "parse_config"]
+__all__ = ["build_parser", "check_eval_arguments", "main"]
 
 logger = logging.getLogger("fora_plugin")
 
@@ -103,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, text in (
         ("train", "score the layers, then train LoRA on the chosen ones and save the adapter"),
-        ("score", "score the layers only: print the table, write fora_scores.json and fora_scores.png"),
+        ("score", f"score the layers only: print the table, write {SCORES_FILE} and {SCORES_PLOT}"),
     ):
         command = commands.add_parser(
             name,
@@ -301,6 +296,21 @@ def _check_eval_output(out: Path) -> None:
             )
 
 
+def check_eval_arguments(args: argparse.Namespace) -> None:
+    """The numbers of ``fora eval``'s flags."""
+    for flag in ("--max-examples", "--batch-size", "--max-new-tokens", "--ppl-max-length", "--ppl-stride"):
+        check_number(flag, getattr(args, flag[2:].replace("-", "_")))
+    check_number("--ppl-max-tokens", args.ppl_max_tokens)
+    if args.ppl_stride > args.ppl_max_length:
+        refuse(
+            "--ppl-stride",
+            args.ppl_stride,
+            f"the stride must be at most --ppl-max-length ({args.ppl_max_length}), or tokens between windows are "
+            "never scored",
+            "Use e.g. --ppl-stride 512 with --ppl-max-length 1024.",
+        )
+
+
 def _check_eval_inputs(args: argparse.Namespace) -> dict[str, list]:
     """Everything `fora eval` is given, checked before the model loads; returns each commonsense task's examples
     (read, UTF-8 and valid JSON, here)."""
@@ -478,10 +488,11 @@ def report(args: argparse.Namespace) -> int:
             model, tokenizer = load_model(args.base, adapter)
             kl[label] = kl_to_base(model, tokenizer, text, max_tokens=args.kl_max_tokens)
     plot_spectra(out / "spectra.png", reports)
-    first = reports[labels[0]]
-    scores = first["fora_scores"]
-    if scores:
-        plot_fisher_scores(out / "fisher_scores.png", scores["scores"], scores["chosen_layers"], scores["num_layers"])
+    saved = reports[labels[0]]["fora_scores"]
+    selection = FoRASelection.from_dict(saved, args.adapter) if saved else None
+    if selection is not None:
+        scores = selection.scores.scores if selection.scores else None
+        plot_fisher_scores(out / "fisher_scores.png", scores, selection.chosen, selection.num_layers)
     summary = markdown_summary(reports, kl)
     (out / "report.md").write_text(summary + "\n")
     payload = {label: dict(rep) for label, rep in reports.items()}
@@ -491,7 +502,7 @@ def report(args: argparse.Namespace) -> int:
     (out / "report.json").write_text(json.dumps(payload, indent=2))
     print(summary)
     print(f"\nreport: {(out / 'report.md').resolve()}\nspectra: {(out / 'spectra.png').resolve()}")
-    if scores:
+    if selection is not None:
         print(f"fisher scores: {(out / 'fisher_scores.png').resolve()}")
     return 0
 

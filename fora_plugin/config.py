@@ -11,7 +11,7 @@ from .adapter import INIT_A
 from .errors import FoRAInputError, refuse
 from .fisher import FISHER_PARAMS
 from .optim import check_cayley_adam_settings
-from .selection import LAYER_STRATEGIES, check_layer_list, parse_layer_budget
+from .selection import LAYER_STRATEGIES, SCORES_FILE, check_layer_list, parse_layer_budget
 from .stiefel import CAYLEY_SOLVERS
 from .validation import check_choice, check_float, check_int
 
@@ -138,7 +138,7 @@ class FoRAConfig:
     )
     scores_path: str | None = field(
         default=None,
-        metadata={"help": "A fora_scores.json from an earlier run to reuse instead of scoring again."},
+        metadata={"help": f"A {SCORES_FILE} from an earlier run to reuse instead of scoring again."},
     )
     seed: int | None = field(
         default=None,

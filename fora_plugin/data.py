@@ -5,20 +5,23 @@ Alpaca rows (`instruction`, `input`, `output`) become prompt/completion pairs in
 TRL's `SFTTrainer` trains such datasets with the loss on the completion only (its default
 `completion_only_loss`), so the model learns the responses, not the instructions.
 
-May import: errors, validation.
+May import: errors, files.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from datasets.exceptions import DatasetGenerationError
 
 from .errors import FoRAInputError, path_refusal, refuse
-from .validation import check_completions, check_json_rows_file, json_error_position, read_json
+from .files import check_text_file, json_error_position
 
 
 __all__ = [
@@ -26,9 +29,10 @@ __all__ = [
     "check_chat_rows",
     "check_column_types",
     "check_columns",
+    "check_completions",
+    "check_json_rows_file",
     "check_rows_fit",
     "load_train_dataset",
-    "read_json",
 ]
 
 
@@ -387,3 +391,49 @@ def check_rows_fit(dataset: Dataset, tokenizer, args, where: str, key: str = "ma
             f"drops them (truncation leaves no completion token). max_length: {max(row_lengths)} keeps every row.",
             stacklevel=2,
         )
+
+
+def check_json_rows_file(path: str | os.PathLike, key: str) -> None:
+    """Refuse a local .json/.jsonl dataset file that is empty, not UTF-8, or holds no rows (``[]``)."""
+    text = check_text_file(path, key)
+    if not text.strip():
+        refuse(key, str(path), "the file is empty", "Give a file with training rows.")
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError:
+        return  # JSON Lines, or malformed: read and reported by the loader
+    if document == [] or document == {}:
+        refuse(key, str(path), f"the file holds {text.strip()!r}, no rows", "Give a file with training rows.")
+
+
+def check_completions(dataset: Any, where: str, key: str = "dataset_name") -> None:
+    """Refuse a dataset whose completions (or texts) are all empty; warn when some are.
+
+    With an empty completion the loss is on the end-of-sequence token alone: the run would train the model to stop.
+    """
+    column = next((c for c in ("completion", "text") if c in dataset.column_names), None)
+    if column is None:
+        return
+    empty = sum(1 for value in dataset[column] if not _has_content(value))
+    if empty == len(dataset):
+        refuse(
+            key,
+            where,
+            f"all {len(dataset)} rows have an empty {column!r} (the `output` of Alpaca rows): training would teach "
+            "the end-of-sequence token alone",
+            "Fill in the responses, or point to the right file.",
+        )
+    if empty:
+        warnings.warn(
+            f"{where}: {empty} of {len(dataset)} rows have an empty {column!r}; they train the end-of-sequence "
+            "token only. Remove them or fill in their responses.",
+            stacklevel=2,
+        )
+
+
+def _has_content(value: Any) -> bool:
+    if isinstance(value, str):
+        return bool(value.strip())
+    if isinstance(value, list):  # conversational: a list of messages
+        return any(_has_content(m.get("content") if isinstance(m, Mapping) else m) for m in value)
+    return value is not None

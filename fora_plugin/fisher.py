@@ -8,8 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +27,6 @@ __all__ = [
     "FisherScores",
     "GatherParameters",
     "fisher_scores",
-    "mark_quantized",
     "squared_norm_of_outer_sum",
 ]
 
@@ -69,21 +67,8 @@ def _weight_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-# Linears that stand for quantized ones (``fora plan`` builds fake 4-bit models from float linears): scored as a
-# quantized linear is, from x and g. Weak, so that marking keeps nothing alive.
-_QUANTIZED_STAND_INS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def mark_quantized(module: nn.Module) -> None:
-    """Score ``module`` as a quantized linear (from its input and output gradient, no weight gradient), whatever its
-    weight is: for models that stand for a quantized one, such as ``fora plan``'s 4-bit models."""
-    _QUANTIZED_STAND_INS.add(module)
-
-
 def _has_autograd_weight(module: nn.Module) -> bool:
     """Whether the module's weight is a plain float Parameter, one autograd can give a gradient."""
-    if module in _QUANTIZED_STAND_INS:
-        return False
     weight = getattr(module, "weight", None)
     # A quantized weight is packed (uint8/int), a buffer (GPTQ, AWQ, HQQ), a tensor subclass (torchao, fp8,
     # bitsandbytes' Params4bit), or a 4-bit weight in a float storage (bnb_4bit_quant_storage=bfloat16 under
@@ -402,6 +387,7 @@ def fisher_scores(
     linear_grad: str = "auto",
     autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
     gather: GatherParameters | None = None,
+    quantized: Collection[nn.Module] = (),
     progress: bool = True,
 ) -> FisherScores:
     """Score every decoder layer of ``model`` with the empirical Fisher over ``num_batches`` mini-batches.
@@ -440,6 +426,8 @@ def fisher_scores(
             :func:`fora_plugin.zero.gathered_parameters`), ``gather(params)`` is a context manager that holds them
             whole while a module re-runs under ``linear_grad="activations"``. The engine is passed in, not imported:
             scoring knows no engine.
+        quantized: linear-like modules to score as a quantized linear is (from x and g, no weight gradient), whatever
+            their weight: stand-ins for quantized linears, such as the float linears of ``fora plan``'s 4-bit models.
         progress: show a progress bar.
 
     The model runs in train mode (so gradient checkpointing, if enabled, applies as in training) with every dropout
@@ -467,8 +455,9 @@ def fisher_scores(
         stack.callback(accumulator.remove)
         model.requires_grad_(False)
         scope = _Scope(fisher_params, target_modules or (), target_parameters or ())
+        stand_ins = set(quantized)
         for index, layer in enumerate(layers):
-            _watch_layer(accumulator, index, f"{prefix}.{index}", layer, scope, linear_grad)
+            _watch_layer(accumulator, index, f"{prefix}.{index}", layer, scope, linear_grad, stand_ins)
         # Gradients must reach layer 0 even when checkpointing: make the embeddings' output require grad.
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if embeddings is not None:
@@ -534,7 +523,13 @@ class _Scope:
 
 
 def _watch_layer(
-    accumulator: _LayerAccumulator, index: int, layer_name: str, layer: nn.Module, scope: _Scope, linear_grad: str
+    accumulator: _LayerAccumulator,
+    index: int,
+    layer_name: str,
+    layer: nn.Module,
+    scope: _Scope,
+    linear_grad: str,
+    quantized: Collection[nn.Module],
 ) -> None:
     """Hooks that score the layer's base parameters in scope, each module by the cheapest exact route it allows."""
     for name, module in layer.named_modules():
@@ -545,7 +540,8 @@ def _watch_layer(
         if not names:
             continue
         label = f"{layer_name}.{name}" if name else layer_name
-        if is_linear_like(module) and (linear_grad == "activations" or not _has_autograd_weight(module)):
+        by_activations = linear_grad == "activations" or module in quantized or not _has_autograd_weight(module)
+        if is_linear_like(module) and by_activations:
             # Weight and bias from x and g, whatever holds the weight (packed buffers, tensor subclasses, shards).
             _check_trainable_layout(module)
             accumulator.watch_linear(index, label, module, with_bias=getattr(module, "bias", None) is not None)

@@ -5,7 +5,7 @@ its folder, config.json, weights and tokenizer are checked before anything heavy
 the fix, whatever the library raised), then it is loaded. Built on the meta device, a config gives the model's
 structure without its weights.
 
-May import: errors, files, validation.
+May import: errors, files.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import FoRAInputError, path_refusal, refuse
-from .files import check_chat_template
-from .validation import read_json
+from .files import check_chat_template, read_json
 
 
 __all__ = [

@@ -17,42 +17,36 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import Any
 
-from .checkpoints import check_resumed_adapter
+from .checkpoints import check_checkpoint, check_resumed_adapter, resolve_checkpoint, resumes
 from .config import FoRAArguments
 from .data import check_chat_rows, check_rows_fit, load_train_dataset
 from .errors import FoRAInputError, path_refusal, refuse
-from .files import read_chat_template
+from .files import check_output_folder, check_text_file, read_chat_template, read_json
 from .fsdp import check_one_engine
 from .models import check_model, load_model_config, load_tokenizer, meta_model
-from .selection import check_layer_indices, resolve_layer_budget
+from .selection import check_layer_indices, load_scores, resolve_layer_budget
 from .targets import check_target_modules, check_target_parameters, find_decoder_layers, target_names
 from .trainer import FoRASFTTrainer
 from .validation import (
-    NUMBER_KEYS_OF_A_CONFIG,
-    check_checkpoint,
+    LORA_KEYS,
+    TRAINING_KEYS,
     check_known_keys,
     check_list,
-    check_lora_arguments,
     check_numbers,
-    check_output_folder,
-    check_text_file,
-    check_training_arguments,
-    read_json,
-    resolve_checkpoint,
-    resumes,
 )
 from .wiring import check_selection_free
 from .zero import check_deepspeed_config, load_deepspeed_config
 
 
 __all__ = [
+    "RENAMED_TRAINING_ARGUMENTS",
     "build_trainer",
     "check_deepspeed_launch",
     "check_layers_fit",
-    "check_output_dir",
+    "check_lora_arguments",
     "check_precision",
-    "check_scores_file",
     "check_scoring_afresh",
     "load_yaml_config",
     "parse_config",
@@ -63,6 +57,12 @@ logger = logging.getLogger(__name__)
 
 # What torchrun, `deepspeed` and `accelerate launch` set in every process they start.
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+# transformers 5.23 renamed these training arguments, keeping the old names as deprecated aliases. With an older one
+# (Axolotl 0.21 pins 5.20.1, the floor) a config's new names are read as the old ones: one config runs on both.
+RENAMED_TRAINING_ARGUMENTS = {
+    "activation_checkpointing": "gradient_checkpointing",
+    "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
+}
 # Keys declared as lists whose owner also reads a string: PEFT a regex or `all-linear` (a lone name is made a list by
 # targets.target_names), TrainingArguments a space-separated `debug`.
 _LISTS_THAT_TAKE_A_STRING = ("lora_target_modules", "lora_target_parameters", "debug")
@@ -138,9 +138,16 @@ def parse_config(config: str, overrides: list[str], *, shown_as: str | None = No
                 f"{_blamed(message, name, overrides)}. `fora train --help` lists the keys and values."
             )
 
+        def set_defaults_with_config(self, **values):
+            # The YAML's renamed training arguments, under the names this transformers knows.
+            return super().set_defaults_with_config(**{older.get(k, k): v for k, v in values.items()})
+
     data = load_yaml_config(config)  # its syntax and shape, with the file and line of a mistake
     parser = ConfigParser((ScriptArguments, SFTConfig, ModelConfig, FoRAArguments))
     keys = {action.dest for action in parser._actions} - {"help"}
+    older = {new: old for new, old in RENAMED_TRAINING_ARGUMENTS.items() if new not in keys and old in keys}
+    keys |= older.keys()
+    as_parsed = [_older_flag(token, older) for token in overrides]
     known_as = "the keys of trl's ScriptArguments, SFTConfig and ModelConfig or the fora_* keys (`fora train --help`)"
     check_known_keys([k for k in data if k != "env"], sorted(keys), f"config {name}", "keys", known_as)
     # A YAML string for a list would be read as its characters (lora_modules_to_save: lm_head adapts every module
@@ -151,9 +158,9 @@ def parse_config(config: str, overrides: list[str], *, shown_as: str | None = No
             check_list(key, data[key])
     # The numbers the YAML gives, before TrainingArguments checks a few of them in its own words; values of the
     # command line are checked once parsed (below), as are YAML strings, which the parser converts.
-    check_numbers({k: v for k, v in data.items() if not isinstance(v, str)}, NUMBER_KEYS_OF_A_CONFIG)
+    check_numbers({k: v for k, v in data.items() if not isinstance(v, str)}, LORA_KEYS + TRAINING_KEYS)
     options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
-    given = [token.split("=", 1)[0] for token in overrides if token.startswith("--")]
+    given = [token.split("=", 1)[0] for token in as_parsed if token.startswith("--")]
     # argparse takes an unambiguous prefix of an option too.
     unknown = [g for g in given if not any(o.startswith(g) for o in options)]
     check_known_keys(unknown, options, "the command line", "overrides", known_as.replace("keys", "--keys", 1))
@@ -164,7 +171,7 @@ def parse_config(config: str, overrides: list[str], *, shown_as: str | None = No
         read_json(deepspeed, key=where)
     try:
         script_args, training_args, model_args, fora_args = parser.parse_args_and_config(
-            ["--config", config, *overrides]
+            ["--config", config, *as_parsed]
         )
     except (ValueError, TypeError) as error:
         # The argument classes' own checks (TrainingArguments' consistency checks): about what the config or the
@@ -173,13 +180,42 @@ def parse_config(config: str, overrides: list[str], *, shown_as: str | None = No
             raise
         message = _blamed(str(error), name, overrides).rstrip(".")
         raise FoRAInputError(f"{message}. Change that setting, or remove it.") from error
-    check_training_arguments(training_args, model_args)
+    check_numbers(model_args, LORA_KEYS)
+    check_numbers(training_args, TRAINING_KEYS)
     check_one_engine(training_args.fsdp, training_args.deepspeed)
     # TRL's ModelConfig turns a one-name list into that name, which PEFT would read as a regex matching nothing.
     model_args.lora_target_modules = target_names(model_args.lora_target_modules)
     model_args.lora_target_parameters = target_names(model_args.lora_target_parameters)
     check_lora_arguments(model_args)
     return script_args, training_args, model_args, fora_args.to_fora_config()
+
+
+def check_lora_arguments(model_args: Any) -> None:
+    """The LoRA keys' rules across keys (ModelConfig), checked before PEFT meets them on the loaded model."""
+    if not model_args.lora_target_modules and model_args.lora_target_modules is not None:
+        if not model_args.lora_target_parameters:
+            refuse(
+                "lora_target_modules",
+                model_args.lora_target_modules,
+                "name at least one module to adapt (or fused expert parameters in lora_target_parameters)",
+                "E.g. lora_target_modules: [q_proj, k_proj, v_proj, up_proj, down_proj], or leave it unset for PEFT's "
+                "default of the architecture.",
+            )
+    if model_args.lora_target_parameters and model_args.lora_dropout:
+        refuse(
+            "lora_dropout",
+            model_args.lora_dropout,
+            "LoRA on lora_target_parameters (fused MoE experts) takes no dropout: PEFT's ParamWrapper refuses "
+            "lora_dropout != 0",
+            "Set lora_dropout: 0.0.",
+        )
+
+
+def _older_flag(token: str, older: dict[str, str]) -> str:
+    """A command-line token with a renamed argument's flag (``--activation_checkpointing[=...]``) under the name of
+    ``older`` (new -> old), as this transformers knows it."""
+    flag, equals, value = token.partition("=")
+    return f"--{older[flag[2:]]}{equals}{value}" if flag.startswith("--") and flag[2:] in older else token
 
 
 def _given(key: str, data: dict, overrides: list[str]) -> tuple[object, str]:
@@ -208,11 +244,6 @@ def _blamed(message: str, config: str, overrides: list[str]) -> str:
     if argument:
         return f"config {config}: {argument[1].removeprefix('--')}: {argument[2]}"
     return f"config {config}: {message}"
-
-
-def check_output_dir(output_dir: str) -> None:
-    """Refuse an ``output_dir`` that is a file or cannot be written, before anything is computed."""
-    check_output_folder(output_dir, "output_dir")
 
 
 def check_deepspeed_launch(deepspeed, fora_config) -> None:
@@ -267,12 +298,10 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
         )
     if script_args.dataset_name is None:
         raise FoRAInputError("The config has no dataset_name: name a local .json/.jsonl file or a `datasets` name.")
-    check_output_dir(training_args.output_dir)
+    check_output_folder(training_args.output_dir, "output_dir")
     check_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     check_deepspeed_launch(training_args.deepspeed, fora_config)
     check_precision(training_args)
-    if fora_config.scores_path is not None:
-        check_scores_file(fora_config.scores_path)
     # FoRA is a LoRA method: the LoRA keys (lora_r, lora_alpha, lora_target_modules, ...) always apply.
     model_args.use_peft = True
     peft_config = get_peft_config(model_args)
@@ -361,8 +390,9 @@ def build_trainer(config: str, overrides: list[str], *, score_only: bool = False
 
 
 def check_layers_fit(fora_config, model) -> None:
-    """Refuse explicit layers or a layer budget that the model's decoder layers cannot give, before the model loads
-    (``model``: built on the meta device), as the selection would once it has loaded."""
+    """Refuse explicit layers, a layer budget or saved scores (``fora_scores_path``) that the model's decoder layers
+    cannot give, before the model loads (``model``: built on the meta device), as the selection would once it has
+    loaded."""
     if not fora_config.selects_layers:
         return
     num_layers = len(find_decoder_layers(model)[1])
@@ -370,6 +400,8 @@ def check_layers_fit(fora_config, model) -> None:
         check_layer_indices(fora_config.layers, num_layers)
     else:
         resolve_layer_budget(fora_config.layer_budget, num_layers)
+    if fora_config.scores_path is not None:
+        load_scores(fora_config.scores_path, num_layers, "fora_scores_path")
 
 
 def check_scoring_afresh(fora_config) -> None:
@@ -403,12 +435,3 @@ def check_precision(training_args) -> None:
             "applied: the run would train in float32",
             "Set fp16: false (bf16: true is CPU mixed precision), or train on a GPU.",
         )
-
-
-def check_scores_file(scores_path: str) -> None:
-    """Refuse a ``fora_scores_path`` whose fora_scores.json is not UTF-8 JSON, naming file and line, before the model
-    loads (the selection is read once the model is there)."""
-    path = Path(scores_path)
-    path = path / "fora_scores.json" if path.is_dir() else path
-    if path.is_file():
-        read_json(path, key="fora_scores_path")

@@ -5,34 +5,40 @@ matrix), their entropy effective rank (Roy & Vetterli) and its ratio to r, ‖Δ
 model, KL(p_trained ‖ p_base) on held-out text. Works on any PEFT LoRA adapter, so FoRA and its baselines compare
 side by side.
 
-May import: diagnostics, errors, evaluation, plots, stiefel, targets, validation.
+May import: diagnostics, errors, evaluation, plots, selection, stiefel, targets, validation.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from peft.tuners.lora import LoraLayer
+from peft.utils.constants import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
 from peft.utils.other import get_pattern_key
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
 from .diagnostics import delta_w_singular_values, effective_rank
-from .errors import FoRAInputError
+from .errors import FoRAInputError, refuse
 from .evaluation import eval_mode
 from .plots import pyplot
+from .selection import FoRASelection
 from .stiefel import orthogonality_error
 from .targets import layer_index
-from .validation import check_adapter_folder, check_selection_matches_adapter, read_json
+from .validation import is_real
 
 
 __all__ = [
     "adapter_report",
+    "check_adapter_folder",
     "kl_to_base",
     "load_adapter_pairs",
     "markdown_summary",
@@ -43,10 +49,62 @@ __all__ = [
 ]
 
 
+def check_adapter_folder(path: str | os.PathLike, key: str) -> dict[str, Any]:
+    """Refuse a LoRA adapter folder whose adapter_config.json disagrees with its weights; returns the config.
+
+    Each module's rank (lora_A's rows) must be the config's ``r`` (or its ``rank_pattern`` entry): a config copied
+    from another run reports the wrong scaling and fails in ``load_state_dict``.
+    """
+    folder = Path(path)
+    config_file = folder / CONFIG_NAME
+    weights = next((folder / n for n in (SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME) if (folder / n).is_file()), None)
+    if not config_file.is_file() or weights is None:
+        refuse(
+            key,
+            str(path),
+            f"it is not a PEFT adapter folder: it needs {CONFIG_NAME} and {SAFETENSORS_WEIGHTS_NAME}",
+            "Give a folder that save_pretrained / fora train wrote.",
+        )
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        refuse(key, str(path), f"its {CONFIG_NAME} is not valid JSON ({error})", "Save the adapter again.")
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        found = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
+        refuse(key, str(path), f"it holds a {found} adapter, not LoRA", "Give a LoRA adapter folder.")
+    for name in ("r", "lora_alpha"):
+        if not (is_real(config.get(name)) and config[name] > 0):
+            refuse(f"{key} {CONFIG_NAME} {name}", config.get(name), "use a number > 0", "Save the adapter again.")
+    if weights.suffix != ".safetensors":
+        return config
+    pattern = config.get("rank_pattern") or {}
+    wrong = []
+    with safe_open(str(weights), framework="pt") as tensors:
+        for tensor_key in tensors.keys():
+            if ".lora_A." not in tensor_key:
+                continue
+            rows = tensors.get_slice(tensor_key).get_shape()[0]
+            module = tensor_key.split(".lora_A.")[0].removeprefix("base_model.model.")
+            expected = pattern.get(get_pattern_key(pattern.keys(), module), config["r"])
+            if rows != expected:
+                wrong.append((module, rows, expected))
+    if wrong:
+        module, rows, expected = wrong[0]
+        refuse(
+            f"{key} {CONFIG_NAME} r",
+            config["r"],
+            f"the weights of {len(wrong)} modules have another rank (e.g. {module}: rank {rows}, the config says "
+            f"{expected}), so the config does not belong to these weights",
+            f"Put the adapter_config.json that was saved with these weights back (r: {rows}), or save the adapter "
+            "again.",
+        )
+    return config
+
+
 def load_adapter_pairs(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """The adapter's config and ``{module name: (A (r, d_in), B (d_out, r))}`` from its safetensors file."""
     adapter_dir = Path(adapter_dir)
-    weights_file = adapter_dir / "adapter_model.safetensors"
+    weights_file = adapter_dir / SAFETENSORS_WEIGHTS_NAME
     if not weights_file.is_file():
         raise FoRAInputError(
             f"{adapter_dir} is not a PEFT adapter folder: it needs adapter_config.json and "
@@ -119,8 +177,9 @@ def adapter_report(adapter_dir: str | Path) -> dict[str, Any]:
             "mean_normalised_spectrum": normalised.mean(dim=0).tolist(),
         }
     layers = sorted({m["layer"] for m in modules if m["layer"] is not None})
-    scores_file = Path(adapter_dir) / "fora_scores.json"
-    check_selection_matches_adapter(scores_file, layers)
+    selection = FoRASelection.load(adapter_dir, missing_ok=True)  # the selection files beside the adapter
+    if selection is not None:
+        selection.check_adapter_layers(layers, adapter_dir)
     return {
         "adapter": str(adapter_dir),
         "r": config["r"],
@@ -130,7 +189,7 @@ def adapter_report(adapter_dir: str | Path) -> dict[str, Any]:
         "modules": modules,
         "by_type": summary,
         "mean_effective_rank": sum(m["effective_rank"] for m in modules) / len(modules) if modules else 0.0,
-        "fora_scores": read_json(scores_file) if scores_file.is_file() else None,
+        "fora_scores": selection.to_dict() if selection is not None else None,
     }
 
 

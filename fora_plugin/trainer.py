@@ -1,35 +1,19 @@
-"""FoRA on a transformers ``Trainer``: scoring through its batches and loss, its optimizer; and FoRASFTTrainer.
+"""``FoRASFTTrainer``: TRL's ``SFTTrainer`` that trains FoRA, through the steps it shares with the Axolotl plugin
+(:mod:`fora_plugin.training`).
 
-:func:`score_on_trainer` and :func:`fora_optimizer` work on any ``transformers.Trainer``: FoRASFTTrainer calls them,
-and so does the Axolotl plugin on Axolotl's trainer. The steps that need no trainer are in :mod:`fora_plugin.wiring`.
-
-May import: backward, compatibility, config, errors, fisher, fsdp, monitor, optim, validation, wiring, zero.
+May import: backward, checkpoints, compatibility, config, errors, fisher, fsdp, optim, selection, training, wiring,
+zero.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import dataclasses
-import functools
-import math
-import os
-import zipfile
-from collections.abc import Callable
 
-import torch
 from peft import LoraConfig, PeftModel
-from torch import nn
-from transformers import Trainer, TrainerCallback
-from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from trl import SFTTrainer
 
-from .backward import (
-    BackwardStop,
-    checkpointing_settings,
-    disable_input_require_grads,
-    stop_backward_at_lowest_adapted_layer,
-)
+from .backward import BackwardStop
+from .checkpoints import check_checkpoint_files, resolve_checkpoint
 from .compatibility import (
     check_cuda_graph,
     check_dora,
@@ -41,318 +25,16 @@ from .compatibility import (
 )
 from .config import FoRAConfig
 from .errors import FoRAInputError, FoRAInputTypeError
-from .fisher import FisherScores, fisher_scores
-from .fsdp import check_fsdp, fsdp_setting, prepare_fsdp2
-from .monitor import DivergenceMonitor
-from .optim import FoRAOptimizer, build_fora_optimizer, check_lr_scheduler_type
-from .validation import resolve_checkpoint
-from .wiring import (
-    FoRALogs,
-    FoRASelection,
-    SaveSelectionCallback,
-    checkpoint_folder,
-    choose_layers,
-    format_selection_table,
-    readapt_lora,
-    set_input_cast,
-)
-from .zero import (
-    STIEFEL_STATE_FILE,
-    Zero3FoRAOptimizer,
-    ZeroClientOptimizer,
-    ZeroFoRAOptimizer,
-    build_zero3_fora_optimizer,
-    build_zero_fora_optimizer,
-    check_deepspeed_config,
-    deepspeed_zero_stage,
-    find_zero_client,
-    gathered_parameters,
-    join_deepspeed_process_group,
-    zero3_scoring_engine,
-)
+from .fisher import FisherScores
+from .fsdp import check_fsdp, fsdp_setting
+from .optim import check_lr_scheduler_type
+from .selection import FoRASelection
+from .training import fora_optimizer, prepare_fora_training, score_on_trainer
+from .wiring import FoRALogs, set_input_cast
+from .zero import join_deepspeed_process_group
 
 
-__all__ = [
-    "FoRASFTTrainer",
-    "FoRATraining",
-    "ZeroStiefelCallback",
-    "check_checkpoint_files",
-    "checkpoint_as_in_training",
-    "fora_optimizer",
-    "prepare_deepspeed",
-    "prepare_fora_training",
-    "score_on_trainer",
-]
-
-# Loss scales tried in turn while scoring under fp16: GradScaler's initial scale first, lower ones if it overflows.
-_FP16_LOSS_SCALES = (2.0**16, 2.0**8, 1.0)
-# What a compute_loss call changes besides returning the loss: TRL's training metrics and token count. (Axolotl's
-# token counters start again with the TrainerState that train() creates.)
-_LOSS_SIDE_EFFECTS = ("_metrics", "_total_train_tokens")
-
-
-def score_on_trainer(
-    trainer: Trainer, model: nn.Module, fora: FoRAConfig, peft_config: LoraConfig | None = None
-) -> FisherScores:
-    """Fisher scores of ``model`` on ``trainer``'s own train batches through its ``compute_loss``.
-
-    The batches are the ones training will see (dataset processing, completion masks, packing, collator), the loss is
-    the training loss, and the passes run as training steps will: activation checkpointing if training has it
-    (:func:`checkpoint_as_in_training`), accelerate's mixed-precision autocast around each forward. ``model`` is the
-    base model, or a PeftModel whose adapters are off while it is scored.
-
-    Under fp16 (``args.fp16``, or fp16 base weights) the loss is multiplied by a scale before the backward, as a
-    GradScaler does, and the squared norms divided by its square: fp16 flushes gradients below 6e-8 to zero, which
-    would bias the scores towards the layers with large gradients. The scale starts at GradScaler's 2**16 and is
-    lowered if a gradient overflows (non-finite scores), as GradScaler would.
-    """
-    targets = _target_names(peft_config) if fora.fisher_params == "targets" else None
-    # Fused MoE experts that LoRA reaches through target_parameters count in a "targets" score too.
-    target_parameters = None
-    if fora.fisher_params == "targets" and peft_config is not None:
-        target_parameters = list(peft_config.target_parameters or [])
-    saved = {name: copy.deepcopy(getattr(trainer, name)) for name in _LOSS_SIDE_EFFECTS if hasattr(trainer, name)}
-    scales = _FP16_LOSS_SCALES if _uses_fp16(trainer, model) else (1.0,)
-    zero3 = deepspeed_zero_stage(trainer) == 3
-    stack = contextlib.ExitStack()
-    try:
-        checkpoint_as_in_training(trainer)
-        if zero3:
-            # zero.Init partitioned the weights: ZeRO-3's hooks gather them around each module, and the linears are
-            # scored from their inputs and output gradients, so no weight gradient is formed.
-            stack.enter_context(
-                zero3_scoring_engine(model, trainer.accelerator.state.deepspeed_plugin.deepspeed_config)
-            )
-        for scale in scales:
-
-            def loss_fn(model: nn.Module, batch: dict, scale: float = scale) -> torch.Tensor:
-                return trainer.compute_loss(model, trainer._prepare_inputs(batch)) * scale
-
-            scores = fisher_scores(
-                model,
-                trainer.get_train_dataloader(),
-                fora.fisher_batches,
-                loss_fn=loss_fn,
-                fisher_params=fora.fisher_params,
-                target_modules=targets,
-                target_parameters=target_parameters,
-                linear_grad="activations" if zero3 else "auto",
-                gather=gathered_parameters if zero3 else None,
-                # The mixed-precision autocast accelerate's prepare_model puts around every training forward
-                # (compute_loss_context_manager is a null context in transformers 5).
-                autocast=trainer.accelerator.autocast,
-                progress=trainer.is_local_process_zero() and not trainer.args.disable_tqdm,
-            )
-            if all(math.isfinite(s) for s in scores.scores):
-                break
-    finally:
-        stack.close()
-        # Scoring batches are not training.
-        for name, value in saved.items():
-            setattr(trainer, name, value)
-    if not all(math.isfinite(s) for s in scores.scores):
-        raise FoRAInputError(
-            f"The Fisher scores are not finite ({scores.scores}): the loss or its gradients are NaN/inf on the "
-            "scoring batches, so the layers cannot be chosen. Check the model weights and the data (an fp16 model "
-            "that overflows: load it in bf16 or fp32)."
-        )
-    if scale != 1.0:
-        scores = dataclasses.replace(scores, scores=[s / scale**2 for s in scores.scores])
-        scores.extra["loss_scale"] = scale
-    return scores
-
-
-def checkpoint_as_in_training(trainer: Trainer) -> None:
-    """Switch activation checkpointing on now if ``trainer.train()`` will, with the call ``Trainer.train`` makes.
-
-    FoRA scores before ``train()`` (in ``__init__``, or Axolotl's ``post_trainer_create``): without this, scoring keeps
-    every layer's activations, far more memory than a checkpointed training step. It is left on, as ``train()``
-    would switch it on anyway.
-    """
-    args, model = trainer.args, trainer.model
-    new_names = hasattr(model, "activation_checkpointing_enable")
-    enabled, kwargs = checkpointing_settings(args, model)
-    active = model.is_activation_checkpointing if new_names else model.is_gradient_checkpointing
-    if not enabled or active:
-        return
-    # The enable call adds an embeddings hook (enable_input_require_grads) and keeps only its handle: the hook TRL or
-    # Axolotl added before would stay on with its handle lost, out of reach of disable_input_require_grads.
-    disable_input_require_grads(model)
-    every_n_layers = kwargs.pop("every_n_layers", 1)
-    offload = kwargs.pop("offload", False)
-    if new_names:
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
-        )
-    else:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
-        )
-
-
-def _uses_fp16(trainer: Trainer, model: nn.Module) -> bool:
-    return bool(trainer.args.fp16) or any(p.dtype == torch.float16 for p in model.parameters())
-
-
-def fora_optimizer(
-    trainer: Trainer, model: nn.Module, fora: FoRAConfig
-) -> FoRAOptimizer | ZeroFoRAOptimizer | Zero3FoRAOptimizer:
-    """The FoRA optimizer for ``model`` under ``trainer``'s arguments (lr, weight decay, betas, eps, decay rule).
-
-    Under DeepSpeed the Stiefel modes get the ZeRO client optimizer, which clips lora_A and lora_B by one norm at
-    ``max_grad_norm`` (the :class:`ZeroStiefelCallback` that :func:`prepare_deepspeed` adds turns DeepSpeed's own
-    clipping, of lora_A alone, off).
-    """
-    args = trainer.args
-    # bf16 adapters step through fp32 masters; under DeepSpeed its fp32 partitions are lora_A's masters.
-    build = functools.partial(build_fora_optimizer, master_weights=fora.adapter_dtype == "bfloat16")
-    if deepspeed_zero_stage(trainer) == 3 and fora.uses_stiefel:
-        build = functools.partial(build_zero3_fora_optimizer, max_grad_norm=args.max_grad_norm)
-    elif trainer.is_deepspeed_enabled and fora.uses_stiefel:
-        build = functools.partial(
-            build_zero_fora_optimizer, max_grad_norm=args.max_grad_norm, sync_period=fora.qr_period
-        )
-    return build(
-        model,
-        lr=args.learning_rate,
-        lr_stiefel=fora.lr_stiefel,
-        weight_decay=args.weight_decay,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        stiefel_betas=(fora.stiefel_beta1, fora.stiefel_beta2),
-        stiefel_eps=fora.stiefel_eps,
-        qr_period=fora.qr_period,
-        cayley_solver=fora.cayley_solver,
-        cayley_iters=fora.cayley_iters,
-        cuda_graph=fora.cuda_graph,
-        decay_parameter_names=trainer.get_decay_parameter_names(model),
-        fused=True if args.optim == "adamw_torch_fused" else None,
-        # The mode decides: a mode without Stiefel lora_B steps them by AdamW even where they carry the mark.
-        **({} if fora.uses_stiefel else {"stiefel_params": ()}),
-    )
-
-
-def prepare_deepspeed(trainer: Trainer, fora: FoRAConfig, resume_checkpoint: Callable[[], str | None]) -> None:
-    """Check ``trainer``'s DeepSpeed config for FoRA and set up the Stiefel ``lora_B`` beside ZeRO-1/2.
-
-    Call it before scoring. Refuses what would silently turn FoRA into something else
-    (:func:`fora_plugin.zero.check_deepspeed_config`), puts the model on the trainer's device, and adds the
-    :class:`ZeroStiefelCallback`. ``resume_checkpoint`` gives the checkpoint training resumes from, if any.
-    """
-    if not trainer.is_deepspeed_enabled or fora.mode == "lora":
-        return
-    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config  # HF filled its "auto" values
-    check_deepspeed_config(config, fora, name="the DeepSpeed config")
-    model = trainer.model
-    if not getattr(model, "is_loaded_in_4bit", False) and not getattr(model, "is_loaded_in_8bit", False):
-        # Under DeepSpeed neither HF nor TRL places the model (DeepSpeed does, at initialize), but the scoring
-        # batches are already on the device; ZeRO-1/2 keeps the whole model on every rank anyway. bitsandbytes
-        # placed a k-bit model when loading it.
-        model.to(trainer.args.device)
-    if fora.uses_stiefel:
-        trainer.add_callback(ZeroStiefelCallback(trainer, resume_checkpoint))
-
-
-@dataclasses.dataclass
-class FoRATraining:
-    """What :func:`prepare_fora_training` set up on a trainer: the selection, where the backward stops (None: it
-    cannot stop early) and the log entries to add at every log."""
-
-    selection: FoRASelection
-    backward_stop: BackwardStop | None
-    logs: FoRALogs
-
-
-def prepare_fora_training(
-    trainer: Trainer,
-    fora: FoRAConfig,
-    *,
-    score: Callable[[], FisherScores],
-    checkpoint: str | None,
-    resume_checkpoint: Callable[[], str | None],
-    fsdp2: bool,
-    autocast_adapter_dtype: bool | None = None,
-    reentrant: bool | None = None,
-) -> FoRATraining:
-    """The steps FoRASFTTrainer and the Axolotl plugin both take once the trainer holds its LoRA-wrapped model and
-    before it builds its optimizer, in this order:
-
-    1. the DeepSpeed checks and ZeRO-1/2 Stiefel callback (:func:`prepare_deepspeed`), the FSDP2 ones if ``fsdp2``;
-    2. the layers: ``checkpoint``'s saved selection when resuming, else ``score()`` (the base model, adapters off);
-    3. the adapter moved onto those layers only, its ``lora_B`` made Stiefel (:func:`readapt_lora`), in the dtype
-       ``fora.adapter_dtype`` asks for (``autocast_adapter_dtype``: PEFT's, as the front end's trainer passed it;
-       None: as TRL does, False under ZeRO-3), and PEFT's input cast set by ``fora.input_cast``
-       (:func:`set_input_cast`);
-    4. the backward made to stop at the lowest adapted layer (``reentrant``: see
-       :func:`stop_backward_at_lowest_adapted_layer`);
-    5. the callbacks that save the selection and watch for divergence, and the selection table printed.
-
-    The optimizer and the log entries are left to the caller: each front end hands them to its trainer its own way.
-    """
-    prepare_deepspeed(trainer, fora, resume_checkpoint)
-    if fsdp2:
-        prepare_fsdp2(trainer, fora)
-    seed = fora.seed if fora.seed is not None else trainer.args.seed
-    model = trainer.model
-    selection = choose_layers(model.get_base_model(), fora, seed=seed, checkpoint=checkpoint, score=score)
-    if autocast_adapter_dtype is None:
-        autocast_adapter_dtype = deepspeed_zero_stage(trainer) != 3
-    readapt_lora(model, selection, fora, seed, autocast_adapter_dtype=autocast_adapter_dtype)
-    set_input_cast(model, fora.input_cast)
-    # With activation checkpointing the backward would run through every layer (TRL's and Axolotl's embeddings
-    # hook): it stops at the lowest adapted layer instead, now and at every train().
-    backward_stop = stop_backward_at_lowest_adapted_layer(trainer, reentrant=reentrant)
-    trainer.add_callback(SaveSelectionCallback(selection))
-    trainer.add_callback(DivergenceMonitor())
-    if trainer.is_world_process_zero():
-        # The files follow when training ends (SaveSelectionCallback): a failed run leaves output_dir as it was.
-        print(format_selection_table(selection))
-    return FoRATraining(selection, backward_stop, FoRALogs(selection))
-
-
-class ZeroStiefelCallback(TrainerCallback):
-    """Under DeepSpeed: binds FoRA's client optimizer to the engine's (which turns DeepSpeed's own clipping off), and
-    keeps its Cayley-Adam state in checkpoints.
-
-    DeepSpeed's checkpoint holds the partitioned lora_A state only; the Cayley-Adam state (moments, fp32 masters)
-    goes to ``STIEFEL_STATE_FILE`` in each checkpoint folder and comes back on resume.
-    """
-
-    def __init__(self, trainer: Trainer, resume_checkpoint: Callable[[], str | None]) -> None:
-        self.trainer = trainer
-        self.resume_checkpoint = resume_checkpoint
-
-    def _client(self) -> ZeroClientOptimizer:
-        engine_optimizer = self.trainer.model_wrapped.optimizer
-        client = find_zero_client(engine_optimizer)
-        if client is None:
-            inner = getattr(engine_optimizer, "optimizer", None)
-            raise FoRAInputTypeError(
-                f"DeepSpeed's optimizer wraps a {type(inner).__name__}, not FoRA's ZeroFoRAOptimizer: something "
-                "replaced FoRA's optimizer (a DeepSpeed `optimizer` block, or offload with "
-                "zero_force_ds_cpu_optimizer true)."
-            )
-        return client
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        client = self._client()
-        client.bind(self.trainer.model_wrapped.optimizer)
-        checkpoint = self.resume_checkpoint()
-        if checkpoint is None:
-            return
-        path = os.path.join(checkpoint, STIEFEL_STATE_FILE)
-        if not os.path.isfile(path):
-            raise FoRAInputError(
-                f"Resuming from {checkpoint} under DeepSpeed, but it has no {STIEFEL_STATE_FILE} (the Cayley-Adam "
-                "state of the Stiefel lora_B): it was not saved by FoRA under DeepSpeed. Resume it without "
-                "DeepSpeed, or start a new run."
-            )
-        device = client.stiefel_parameters[0].device
-        client.load_stiefel_state_dict(torch.load(path, map_location=device, weights_only=True))
-
-    def on_save(self, args, state, control, **kwargs):
-        if args.should_save:  # the same state on every rank; saved where HF saves (one process, or each node's)
-            torch.save(self._client().stiefel_state_dict(), checkpoint_folder(args, state) / STIEFEL_STATE_FILE)
+__all__ = ["FoRASFTTrainer"]
 
 
 class FoRASFTTrainer(SFTTrainer):
@@ -365,22 +47,22 @@ class FoRASFTTrainer(SFTTrainer):
     partition (:mod:`fora_plugin.zero`); under FSDP2 each rank steps its rows of every ``lora_B``
     (:mod:`fora_plugin.fsdp`).
 
-    Overridden, and why:
+    Overridden, each through ``Trainer``'s public signature, and why:
 
     - ``__init__``: the selection and the re-adapt described above, and the DeepSpeed and FSDP checks; then the
       backward is made to stop at the lowest adapted layer, with activation checkpointing too
       (:mod:`fora_plugin.backward`: TRL's embeddings hook off, a pre-hook on that layer under reentrant
       checkpointing).
-    - ``create_optimizer``: the single AdamW + Cayley-Adam optimizer (``build_fora_optimizer``; under DeepSpeed its
-      ZeRO client form).
+    - ``create_optimizer``: the single AdamW + Cayley-Adam optimizer (:func:`fora_plugin.training.fora_optimizer`;
+      under DeepSpeed its ZeRO client form).
     - ``log``: adds the largest ‖BᵀB − I‖ and the mean effective rank of ΔW to every log, and the selection once
       (under FSDP2 from the adapters gathered whole for the log).
     - ``train``: refuses to resume a checkpoint trained on other layers, or one whose state files are truncated;
       notes the checkpoint for the Cayley state.
 
-    Scoring runs the way a training step does (:func:`score_on_trainer`): the activation checkpointing and the
-    autocast that ``Trainer.train`` switches on, and, under fp16, a loss scale so that small gradients do not
-    underflow.
+    Scoring runs the way a training step does (:func:`fora_plugin.training.score_on_trainer`): the activation
+    checkpointing and the autocast that ``Trainer.train`` switches on, and, under fp16, a loss scale so that small
+    gradients do not underflow.
 
     Args are SFTTrainer's, plus:
         peft_config: a ``peft.LoraConfig`` (rank, alpha, dropout, target modules). Required: FoRA is a LoRA method.
@@ -471,54 +153,25 @@ class FoRASFTTrainer(SFTTrainer):
             logs.update(self._fora_logs(self.model, self.optimizer))
         super().log(logs, start_time)
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
         checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         self._fora_resume = checkpoint
         if checkpoint is not None:
             check_checkpoint_files(checkpoint)
         if checkpoint is not None and self.fora_selection is not None and self.fora_config.selects_layers:
-            saved = FoRASelection.read(checkpoint)
-            if saved["chosen_layers"] != self.fora_selection.chosen:
+            saved = FoRASelection.load(checkpoint)
+            if saved.chosen != self.fora_selection.chosen:
                 raise FoRAInputError(
-                    f"Checkpoint {checkpoint} was trained with LoRA on layers {saved['chosen_layers']}, but this "
+                    f"Checkpoint {checkpoint} was trained with LoRA on layers {saved.chosen}, but this "
                     f"trainer adapts layers {self.fora_selection.chosen}. Build the trainer with "
                     f"args.resume_from_checkpoint={str(checkpoint)!r} so it reuses the checkpoint's selection, and "
                     "leave FoRAConfig.layers unset (or equal to those layers)."
                 )
         # The resolved folder: Trainer.train reads a string such as "true" (from the command line) as a path.
-        return super().train(checkpoint, *args, **kwargs)
+        return super().train(checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
 
 
 # ------------------------------------------------------------------------------------------------------- checks
-def check_checkpoint_files(checkpoint: str | os.PathLike) -> None:
-    """Refuse to resume from a checkpoint whose saved optimizer/scheduler/Cayley state is cut short or corrupt.
-
-    A save interrupted by a crash or a full disk leaves a truncated file, which ``torch.load`` reports with a zip
-    reader traceback that names neither the file nor the fix. torch saves a zip archive: its directory is at the end
-    and every member has a CRC, so reading it through checks the whole file.
-    """
-    for name in (OPTIMIZER_NAME, SCHEDULER_NAME, STIEFEL_STATE_FILE):
-        path = os.path.join(checkpoint, name)
-        if not os.path.isfile(path):
-            continue
-        with open(path, "rb") as file:
-            head = file.read(4)
-        if head and head != b"PK\x03\x04":
-            continue  # torch's legacy (non-zip) format: torch.load checks it
-        try:
-            with zipfile.ZipFile(path) as archive:
-                bad_member = archive.testzip()
-            problem = None if bad_member is None else f"member {bad_member} fails its CRC check"
-        except (zipfile.BadZipFile, OSError, EOFError) as err:
-            problem = f"{type(err).__name__}: {err}"
-        if problem is not None:
-            raise FoRAInputError(
-                f"Cannot resume from {checkpoint}: {path} is truncated or corrupt ({problem}), probably a save cut "
-                "short by a crash or a full disk. Resume from an earlier checkpoint (resume_from_checkpoint=<its "
-                "folder>, after deleting this one), or start a new run in an empty output_dir."
-            )
-
-
 def _check_lora_config(config: LoraConfig, fora: FoRAConfig) -> None:
     check_layers_unset(
         {
@@ -534,9 +187,3 @@ def _check_lora_config(config: LoraConfig, fora: FoRAConfig) -> None:
         )
     check_dora(config.use_dora, fora, "LoraConfig.use_dora", "mode", "Use use_dora=False, or mode='fg-lora'.")
     check_init_lora_weights(config.init_lora_weights, fora)
-
-
-def _target_names(config: LoraConfig | None) -> list[str] | None:
-    if config is None or isinstance(config.target_modules, str):
-        return None
-    return list(config.target_modules)

@@ -1,12 +1,9 @@
-"""Up-front checks of what a user gives ``fora`` and the Axolotl plugin: numbers, paths and names.
+"""The primitives of a user's value: numbers (one rule table per key), choices, known keys and config blocks.
 
-Every check runs before the libraries see the value (PEFT, TRL, ``datasets``, torch) and before heavy work (the model
-is loaded only after everything that can be checked without it). A refusal is a ``ValueError`` naming the key, the
-value, what is accepted and the fix; the CLI prints it as one line and exits with 2. A library error that still
-reaches a user is a bug of ours: a check belongs in the module of the thing it checks (models, data, ...).
-
-The numeric rules are one table, :data:`NUMBER_RULES`, that ``fora train``/``score``/``ablate`` (SFTConfig and
-ModelConfig keys), ``fora eval``/``report`` flags and ``ablation.eval`` read.
+A refusal is a ``FoRAInputError`` naming the key, the value, what is accepted and the fix; the CLI prints it as one
+line and exits with 2. :data:`NUMBER_RULES` holds the rule of every number a user gives, under each name it is given
+by: SFTConfig/ModelConfig keys, their Axolotl names, ``fora eval``/``report`` flags and ``ablation: eval:`` keys.
+Nothing here knows a file, a model, a checkpoint or a dataset: each of those is checked in its own module.
 
 May import: errors.
 """
@@ -14,65 +11,32 @@ May import: errors.
 from __future__ import annotations
 
 import difflib
-import json
 import math
-import os
-import tempfile
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from .errors import FoRAInputError, path_refusal, refuse
+from .errors import FoRAInputError, refuse
 
 
 __all__ = [
-    "ADAPTER_CONFIG",
-    "ADAPTER_WEIGHTS",
-    "AXOLOTL_KEYS",
     "LORA_KEYS",
-    "NUMBER_KEYS_OF_A_CONFIG",
     "NUMBER_RULES",
-    "RESUME_LAST",
-    "RESUME_OFF",
-    "TRAINER_STATE",
+    "OPTIMIZER_KEYS",
     "TRAINING_KEYS",
     "Rule",
-    "check_adapter_folder",
     "check_block",
-    "check_checkpoint",
     "check_choice",
-    "check_completions",
-    "check_eval_arguments",
-    "check_file",
     "check_float",
     "check_int",
-    "check_json_rows_file",
     "check_known_keys",
     "check_list",
-    "check_lora_arguments",
-    "check_nonblank_text",
     "check_number",
     "check_numbers",
-    "check_output_folder",
-    "check_selection_matches_adapter",
-    "check_text_file",
-    "check_training_arguments",
     "is_integer",
     "is_real",
-    "json_error_position",
-    "read_json",
-    "resolve_checkpoint",
-    "resumes",
     "suggestion",
 ]
-
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
-# What HF Trainer saves in every checkpoint folder and reads first when resuming.
-TRAINER_STATE = "trainer_state.json"
 
 
 # ------------------------------------------------------------------------------------------------------ numbers
@@ -125,8 +89,7 @@ def check_int(key: str, value: Any, minimum: int, hint: str) -> None:
         refuse(key, value, f"use an int >= {minimum} ({hint})")
 
 
-# key -> Rule. Keys are as the user writes them: SFTConfig/ModelConfig keys, `fora eval`/`fora report` flags (with
-# dashes), and the `ablation: eval:` keys.
+# key (as the user writes it: a config key, a `--flag` of `fora eval`/`report`, an `ablation: eval:` key) -> Rule.
 NUMBER_RULES: dict[str, Rule] = {
     # --- LoRA (ModelConfig)
     "lora_r": _int_at_least(1, "use an int >= 1, the LoRA rank (e.g. 16)"),
@@ -186,7 +149,7 @@ NUMBER_RULES: dict[str, Rule] = {
 # The NUMBER_RULES keys each set of arguments holds.
 LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout")
 # Named alike in TRL's TrainingArguments and in Axolotl's YAML.
-_OPTIMIZER_KEYS = (
+OPTIMIZER_KEYS = (
     "warmup_steps",
     "warmup_ratio",
     "weight_decay",
@@ -202,7 +165,7 @@ TRAINING_KEYS = (
     "max_steps",
     "num_train_epochs",
     "max_length",
-    *_OPTIMIZER_KEYS,
+    *OPTIMIZER_KEYS,
     "label_smoothing_factor",
     "logging_steps",
     "save_steps",
@@ -210,20 +173,6 @@ TRAINING_KEYS = (
     "save_total_limit",
     "dataloader_num_workers",
     "dataset_num_proc",
-    "seed",
-)
-NUMBER_KEYS_OF_A_CONFIG = LORA_KEYS + TRAINING_KEYS
-# An Axolotl YAML's keys, checked when it enables the plugin (unset = None = Axolotl's default).
-AXOLOTL_KEYS = LORA_KEYS + (
-    "micro_batch_size",
-    "gradient_accumulation_steps",
-    "sequence_len",
-    "num_epochs",
-    "max_steps",
-    *_OPTIMIZER_KEYS,
-    "logging_steps",
-    "save_steps",
-    "eval_steps",
     "seed",
 )
 
@@ -249,48 +198,6 @@ def check_numbers(values: Any, keys: Iterable[str], prefix: str = "") -> None:
         else:
             continue
         check_number(key, value, prefix + key)
-
-
-def check_training_arguments(training_args: Any, model_args: Any) -> None:
-    """The numbers of a ``fora train`` config: LoRA (ModelConfig) and training (SFTConfig) keys."""
-    check_numbers(model_args, LORA_KEYS)
-    check_numbers(training_args, TRAINING_KEYS)
-
-
-def check_lora_arguments(model_args: Any) -> None:
-    """The LoRA keys' rules across keys (ModelConfig), checked before PEFT meets them on the loaded model."""
-    if not model_args.lora_target_modules and model_args.lora_target_modules is not None:
-        if not model_args.lora_target_parameters:
-            refuse(
-                "lora_target_modules",
-                model_args.lora_target_modules,
-                "name at least one module to adapt (or fused expert parameters in lora_target_parameters)",
-                "E.g. lora_target_modules: [q_proj, k_proj, v_proj, up_proj, down_proj], or leave it unset for PEFT's "
-                "default of the architecture.",
-            )
-    if model_args.lora_target_parameters and model_args.lora_dropout:
-        refuse(
-            "lora_dropout",
-            model_args.lora_dropout,
-            "LoRA on lora_target_parameters (fused MoE experts) takes no dropout: PEFT's ParamWrapper refuses "
-            "lora_dropout != 0",
-            "Set lora_dropout: 0.0.",
-        )
-
-
-def check_eval_arguments(args: Any) -> None:
-    """The numbers of ``fora eval``'s flags."""
-    for flag in ("--max-examples", "--batch-size", "--max-new-tokens", "--ppl-max-length", "--ppl-stride"):
-        check_number(flag, getattr(args, flag[2:].replace("-", "_")))
-    check_number("--ppl-max-tokens", args.ppl_max_tokens)
-    if args.ppl_stride > args.ppl_max_length:
-        refuse(
-            "--ppl-stride",
-            args.ppl_stride,
-            f"the stride must be at most --ppl-max-length ({args.ppl_max_length}), or tokens between windows are "
-            "never scored",
-            "Use e.g. --ppl-stride 512 with --ppl-max-length 1024.",
-        )
 
 
 # ---------------------------------------------------------------------------------------------- names and keys
@@ -320,12 +227,8 @@ def check_list(key: str, value: Any) -> None:
     if isinstance(value, list):
         return
     items = value.replace(",", " ").split() if isinstance(value, str) else [value]
-    refuse(
-        key,
-        value,
-        "give a list",
-        f"Write it as a YAML list: `{key.rsplit('.', 1)[-1]}: [{', '.join(map(str, items))}]`.",
-    )
+    fix = f"Write it as a YAML list: `{key.rsplit('.', 1)[-1]}: [{', '.join(map(str, items))}]`."
+    refuse(key, value, "give a list", fix)
 
 
 def check_block(block: Any, known: Iterable[str], where: str, *, lists: Iterable[str] = ()) -> Mapping[str, Any]:
@@ -340,290 +243,3 @@ def check_block(block: Any, known: Iterable[str], where: str, *, lists: Iterable
         if block.get(key) is not None:
             check_list(f"{where}.{key}", block[key])
     return block
-
-
-# ------------------------------------------------------------------------------------------------------- paths
-def check_output_folder(path: str | os.PathLike, key: str) -> None:
-    """Refuse an output folder that is a file, or that cannot be created or written to, before any work.
-
-    Writability is tried, not guessed from permission bits (which say nothing for root or read-only mounts): an
-    unnamed temporary file in the folder, or in its nearest existing parent, which leaves no trace.
-    """
-    try:
-        _check_output_folder(Path(path).expanduser(), str(path), key)
-    except OSError as error:  # a path too long, or under a file: the operating system's refusal, named
-        raise (path_refusal(error, key) or error) from None
-
-
-def _check_output_folder(folder: Path, path: str, key: str) -> None:
-    if folder.exists() and not folder.is_dir():
-        raise FoRAInputError(
-            f"{key}={str(path)!r} is a file, not a folder: the outputs (adapter, checkpoints, fora_scores.json, "
-            "results) go into a folder. Give a new or existing folder's path."
-        )
-    existing = folder
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        refuse(key, path, f"{existing} is a file, so no folder can be made under it", "Give a folder's path.")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as error:
-        refuse(
-            key,
-            path,
-            f"{existing} is not writable ({error.strerror or error})",
-            "Give a folder you can write to, or fix its permissions.",
-        )
-
-
-def check_file(path: str | os.PathLike | None, key: str) -> None:
-    """Refuse a path that is not an existing file."""
-    if path is not None and not Path(path).is_file():
-        refuse(key, str(path), "it is not a file", "Give the path of an existing file.")
-
-
-# ``resume_from_checkpoint`` values that mean "start afresh" and "the last checkpoint in output_dir": YAML and the
-# command line give strings, Python gives bools.
-RESUME_OFF = (None, False, "", "false", "False")
-RESUME_LAST = (True, "true", "True")
-
-
-def resumes(value: Any) -> bool:
-    """Whether a ``resume_from_checkpoint`` value asks to resume (the last checkpoint, or a given folder)."""
-    return value not in RESUME_OFF
-
-
-def resolve_checkpoint(value: Any, output_dir: str, key: str = "resume_from_checkpoint") -> str | None:
-    """The checkpoint folder a ``resume_from_checkpoint`` value names: None to start afresh, the last checkpoint-N of
-    ``output_dir`` for ``true`` (refused when there is none), else the value as a path."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    if not resumes(value):
-        return None
-    if value not in RESUME_LAST:
-        return str(value)
-    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-    if last is None:
-        raise FoRAInputError(
-            f"{key}=True but output_dir {output_dir} holds no checkpoint (no checkpoint-N folder) to resume: "
-            "drop resume_from_checkpoint to start a new run, or give a checkpoint folder's path."
-        )
-    return last
-
-
-def check_checkpoint(value: Any, output_dir: str, key: str = "resume_from_checkpoint") -> None:
-    """Refuse a ``resume_from_checkpoint`` that is not a checkpoint folder (one holding ``trainer_state.json``).
-
-    ``true`` needs a checkpoint-N folder in ``output_dir``; a path must be such a folder, not, say, a finished
-    run's adapter folder (which HF Trainer would fail on after the model loaded and FoRA wrote its selection).
-    """
-    from transformers.trainer_utils import get_last_checkpoint
-
-    if value in RESUME_LAST:
-        resolve_checkpoint(value, output_dir, key)
-        return
-    if not resumes(value):
-        return
-    folder = Path(str(value)).expanduser()
-    if not folder.is_dir():
-        refuse(key, str(value), "no such folder", "Give a checkpoint-N folder that an earlier run saved.")
-    if not (folder / TRAINER_STATE).is_file():
-        inside = get_last_checkpoint(str(folder))
-        what = "a saved adapter" if (folder / ADAPTER_CONFIG).is_file() else "a folder"
-        fix = (
-            f"Resume from {inside} (its last checkpoint), or `true` with output_dir: {folder}."
-            if inside
-            else "Give a checkpoint-N folder (saved during training with save_strategy steps/epoch), or drop "
-            "resume_from_checkpoint to start a new run."
-        )
-        refuse(key, str(value), f"it is {what}, not a checkpoint: it has no {TRAINER_STATE}", fix)
-
-
-def check_adapter_folder(path: str | os.PathLike, key: str) -> dict[str, Any]:
-    """Refuse a LoRA adapter folder whose adapter_config.json disagrees with its weights; returns the config.
-
-    Each module's rank (lora_A's rows) must be the config's ``r`` (or its ``rank_pattern`` entry): a config copied
-    from another run reports the wrong scaling and fails in ``load_state_dict``.
-    """
-    from peft.utils.other import get_pattern_key
-    from safetensors import safe_open
-
-    folder = Path(path)
-    config_file = folder / ADAPTER_CONFIG
-    weights = next((folder / n for n in ADAPTER_WEIGHTS if (folder / n).is_file()), None)
-    if not config_file.is_file() or weights is None:
-        refuse(
-            key,
-            str(path),
-            f"it is not a PEFT adapter folder: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS[0]}",
-            "Give a folder that save_pretrained / fora train wrote.",
-        )
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        refuse(key, str(path), f"its {ADAPTER_CONFIG} is not valid JSON ({error})", "Save the adapter again.")
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        found = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
-        refuse(key, str(path), f"it holds a {found} adapter, not LoRA", "Give a LoRA adapter folder.")
-    for name in ("r", "lora_alpha"):
-        if not (is_real(config.get(name)) and config[name] > 0):
-            refuse(f"{key} {ADAPTER_CONFIG} {name}", config.get(name), "use a number > 0", "Save the adapter again.")
-    if weights.suffix != ".safetensors":
-        return config
-    pattern = config.get("rank_pattern") or {}
-    wrong = []
-    with safe_open(str(weights), framework="pt") as tensors:
-        for tensor_key in tensors.keys():
-            if ".lora_A." not in tensor_key:
-                continue
-            rows = tensors.get_slice(tensor_key).get_shape()[0]
-            module = tensor_key.split(".lora_A.")[0].removeprefix("base_model.model.")
-            expected = pattern.get(get_pattern_key(pattern.keys(), module), config["r"])
-            if rows != expected:
-                wrong.append((module, rows, expected))
-    if wrong:
-        module, rows, expected = wrong[0]
-        refuse(
-            f"{key} {ADAPTER_CONFIG} r",
-            config["r"],
-            f"the weights of {len(wrong)} modules have another rank (e.g. {module}: rank {rows}, the config says "
-            f"{expected}), so the config does not belong to these weights",
-            f"Put the adapter_config.json that was saved with these weights back (r: {rows}), or save the adapter "
-            "again.",
-        )
-    return config
-
-
-def check_selection_matches_adapter(selection_file: str | os.PathLike, adapted_layers: list[int]) -> None:
-    """Refuse a selection file (``fora_scores.json``) whose chosen layers are not the layers the adapter next to it
-    is on.
-
-    The selection files of one run next to the adapter of another (a failed later run's, a copied folder) would
-    plot and report the wrong chosen layers.
-    """
-    file = Path(selection_file)
-    if not file.is_file() or not adapted_layers:
-        return
-    try:
-        saved = json.loads(file.read_text(encoding="utf-8"))
-        chosen = sorted(saved["chosen_layers"])
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
-        raise FoRAInputError(
-            f"{file} is not a FoRA selection ({type(error).__name__}: {error}): remove it, or run `fora score` to "
-            "write it again."
-        ) from None
-    if chosen != sorted(adapted_layers):
-        raise FoRAInputError(
-            f"{file} says layers {chosen} were chosen, but the adapter in {file.parent} is on layers "
-            f"{sorted(adapted_layers)}: the selection files belong to another run. Remove {file.name} and "
-            f"{file.with_suffix('.png').name} there (or run `fora score` with this run's config to write them again)."
-        )
-
-
-# -------------------------------------------------------------------------------------------------------- data
-def check_text_file(path: str | os.PathLike, key: str | None = None) -> str:
-    """The UTF-8 text of ``path``: every reading of a user's text file goes through here. A file that is not UTF-8
-    is refused naming the file, the first bad byte and its line (as ``key``'s value when given); so is a path the
-    operating system refuses (too long, no permission)."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as error:
-        raise (path_refusal(error, key) or error) from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        bad = error
-    line = data[: bad.start].count(b"\n") + 1
-    problem = f"the file is not UTF-8 text (byte 0x{data[bad.start]:02x} on line {line} is not valid UTF-8)"
-    fix = "Save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8 in.json > out.json`)."
-    if key is None:
-        raise FoRAInputError(f"{path}: {problem}. {fix}")
-    refuse(key, str(path), problem, fix)
-
-
-def check_nonblank_text(path: str | os.PathLike, key: str) -> str:
-    """The UTF-8 text of ``path`` (:func:`check_text_file`), refused when it holds nothing but whitespace: a text to
-    score (perplexity, KL) is checked before the model loads, not found empty after."""
-    text = check_text_file(path, key)
-    if not text.strip():
-        refuse(
-            key,
-            str(path),
-            "the file is empty (or holds only whitespace): there is no text to score",
-            "Give a text file, e.g. WikiText-2's wiki.test.raw.",
-        )
-    return text
-
-
-def json_error_position(error: json.JSONDecodeError, first_line: int = 1) -> str:
-    """``error`` as "<what> at line L, column C", its line counted from ``first_line`` (JSON Lines: the line the
-    document starts on). json's own message may end in "starting at" (an unterminated string): no second "at"."""
-    where = f"line {first_line + error.lineno - 1}, column {error.colno}"
-    return f"{error.msg} {where}" if error.msg.endswith(" at") else f"{error.msg} at {where}"
-
-
-def read_json(path: str | Path, *, lines: bool = False, key: str | None = None):
-    """The JSON document in ``path`` (with ``lines``: the list of one document per non-empty line), read as UTF-8;
-    a file that is not UTF-8 or is malformed is refused naming the file (as ``key``'s value when given), the line
-    and the column."""
-    text = check_text_file(path, key)
-    chunks = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()] if lines else [(1, text)]
-    documents = []
-    for first_line, chunk in chunks:
-        try:
-            documents.append(json.loads(chunk))
-        except json.JSONDecodeError as error:
-            what = f"{key} {path}" if key else str(path)
-            raise FoRAInputError(
-                f"{what} is not valid JSON{' Lines' if lines else ''}: {json_error_position(error, first_line)}. "
-                "Fix the file there."
-            ) from None
-    return documents if lines else documents[0]
-
-
-def check_json_rows_file(path: str | os.PathLike, key: str) -> None:
-    """Refuse a local .json/.jsonl dataset file that is empty, not UTF-8, or holds no rows (``[]``)."""
-    text = check_text_file(path, key)
-    if not text.strip():
-        refuse(key, str(path), "the file is empty", "Give a file with training rows.")
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError:
-        return  # JSON Lines, or malformed: read and reported by the loader
-    if document == [] or document == {}:
-        refuse(key, str(path), f"the file holds {text.strip()!r}, no rows", "Give a file with training rows.")
-
-
-def check_completions(dataset: Any, where: str, key: str = "dataset_name") -> None:
-    """Refuse a dataset whose completions (or texts) are all empty; warn when some are.
-
-    With an empty completion the loss is on the end-of-sequence token alone: the run would train the model to stop.
-    """
-    column = next((c for c in ("completion", "text") if c in dataset.column_names), None)
-    if column is None:
-        return
-    empty = sum(1 for value in dataset[column] if not _has_content(value))
-    if empty == len(dataset):
-        refuse(
-            key,
-            where,
-            f"all {len(dataset)} rows have an empty {column!r} (the `output` of Alpaca rows): training would teach "
-            "the end-of-sequence token alone",
-            "Fill in the responses, or point to the right file.",
-        )
-    if empty:
-        warnings.warn(
-            f"{where}: {empty} of {len(dataset)} rows have an empty {column!r}; they train the end-of-sequence "
-            "token only. Remove them or fill in their responses.",
-            stacklevel=2,
-        )
-
-
-def _has_content(value: Any) -> bool:
-    if isinstance(value, str):
-        return bool(value.strip())
-    if isinstance(value, list):  # conversational: a list of messages
-        return any(_has_content(m.get("content") if isinstance(m, Mapping) else m) for m in value)
-    return value is not None

@@ -1,51 +1,58 @@
-"""FoRA's steps around a trainer, shared by `FoRASFTTrainer` (TRL) and the Axolotl plugin.
+"""FoRA's steps on a model that need no trainer, shared by both front ends (:mod:`fora_plugin.training` runs them in
+order): choose the layers, move the LoRA adapter onto them, PEFT's input cast, the selection's files and callback, and
+FoRA's log entries.
 
-May import: adapter, config, diagnostics, errors, fisher, fsdp, plots, selection, stiefel, targets, validation, zero.
+May import: adapter, checkpoints, config, diagnostics, errors, fisher, fsdp, plots, selection, stiefel, targets,
+validation, zero.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.tuners_utils import check_target_module_exists
+from peft.utils.constants import CONFIG_NAME
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback
 from transformers.pytorch_utils import Conv1D
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .adapter import expert_blocks, make_stiefel, stiefel_num_experts, stiefel_parameters
+from .checkpoints import checkpoint_folder
 from .config import INPUT_CASTS, FoRAConfig
 from .diagnostics import largest_drift, read_adapter_diagnostics
 from .errors import FoRAInputError, refuse
 from .fisher import FisherScores
 from .fsdp import gathered_adapters
 from .plots import plot_fisher_scores
-from .selection import check_layer_indices, resolve_layer_budget, select_layers
+from .selection import (
+    SCORES_FILE,
+    SCORES_PLOT,
+    FoRASelection,
+    check_layer_indices,
+    load_scores,
+    resolve_layer_budget,
+    select_layers,
+)
 from .stiefel import orthogonality_error
 from .targets import find_decoder_layers, is_linear_like, layer_index, matches_target
-from .validation import ADAPTER_CONFIG, check_choice, read_json
+from .validation import check_choice
 from .zero import Zero3FoRAOptimizer, find_zero_client, gathered_trainable_parameters
 
 
 __all__ = [
-    "SCORES_FILE",
-    "SCORES_PLOT",
     "FoRALogs",
-    "FoRASelection",
     "SaveSelectionCallback",
     "active_lora_config",
     "check_selection_free",
-    "checkpoint_folder",
     "choose_layers",
     "format_selection_table",
     "init_fora_adapters",
@@ -58,63 +65,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SCORES_FILE = "fora_scores.json"
-SCORES_PLOT = "fora_scores.png"
-
-
-class FoRASelection:
-    """The chosen layers and how they were chosen; saved as ``fora_scores.json``."""
-
-    def __init__(
-        self,
-        chosen: list[int],
-        num_layers: int,
-        layer_prefix: str,
-        *,
-        scores: FisherScores | None = None,
-        source: str = "fisher",
-        mode: str = "fora",
-    ) -> None:
-        self.chosen = sorted(chosen)
-        self.num_layers = num_layers
-        self.layer_prefix = layer_prefix
-        self.scores = scores
-        self.source = source
-        self.mode = mode
-        self.target_modules: list[str] = []
-        self.target_parameters: list[str] = []
-        self.trainable_parameters: dict[int, int] = {}
-        self.lora_all_layers_parameters = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        s = self.scores
-        return {
-            "mode": self.mode,
-            "source": self.source,
-            "num_layers": self.num_layers,
-            "k": len(self.chosen),
-            "chosen_layers": self.chosen,
-            "scores": s.scores if s else None,
-            "num_batches": s.num_batches if s else None,
-            "fisher_params": s.fisher_params if s else None,
-            "seconds": s.seconds if s else None,
-            "peak_memory_bytes": s.peak_memory_bytes if s else None,
-            "layer_prefix": self.layer_prefix,
-            "target_modules": self.target_modules,
-            "target_parameters": self.target_parameters,
-            "trainable_parameters_per_layer": {str(k): v for k, v in self.trainable_parameters.items()},
-            "lora_all_layers_parameters": self.lora_all_layers_parameters,
-        }
-
-    @staticmethod
-    def read(path: str | Path) -> dict[str, Any]:
-        path = Path(path)
-        if path.is_dir():
-            path = path / SCORES_FILE
-        if not path.is_file():
-            raise FoRAInputError(f"No FoRA selection at {path}: expected the {SCORES_FILE} an earlier run wrote.")
-        return read_json(path)  # names the file, line and column of a malformed one
-
 
 # ----------------------------------------------------------------------------------------------------- selection
 def choose_layers(
@@ -125,11 +75,9 @@ def choose_layers(
     checkpoint: str | None,
     score: Callable[[], FisherScores],
 ) -> FoRASelection:
-    """The layers ``model`` gets LoRA on under ``fora``.
-
-    Step 1 of FoRA's steps around a trainer, :func:`choose_layers`: the K decoder layers to adapt (Fisher scores
-    from a caller-given scorer, explicit indices, a control strategy, saved scores, or the selection saved with the
-    checkpoint being resumed).
+    """The layers ``model`` gets LoRA on under ``fora``: the K decoder layers to adapt, from Fisher scores (a
+    caller-given scorer), explicit indices, a control strategy, saved scores, or the selection saved with the
+    checkpoint being resumed.
 
     ``checkpoint`` is the checkpoint the run resumes from (its saved selection is reused, nothing is scored);
     ``score`` computes the Fisher scores when they are needed: the caller's data and loss.
@@ -141,38 +89,28 @@ def choose_layers(
     saved = _checkpoint_selection(checkpoint, num_layers) if checkpoint is not None else None
     if fora.layers is not None:
         chosen = check_layer_indices(fora.layers, num_layers)
-        if saved is not None and saved["chosen_layers"] != chosen:
+        if saved is not None and saved.chosen != chosen:
             raise FoRAInputError(
-                f"FoRAConfig.layers={chosen} differ from the layers {saved['chosen_layers']} that checkpoint "
-                f"{checkpoint} was trained on, and a resumed run keeps its layers: set layers="
-                f"{saved['chosen_layers']} or leave layers unset to resume, or start a new run (no "
-                "resume_from_checkpoint) to train other layers."
+                f"FoRAConfig.layers={chosen} differ from the layers {saved.chosen} that checkpoint {checkpoint} was "
+                f"trained on, and a resumed run keeps its layers: set layers={saved.chosen} or leave layers unset to "
+                "resume, or start a new run (no resume_from_checkpoint) to train other layers."
             )
         return FoRASelection(chosen, num_layers, prefix, source="layers", mode=fora.mode)
     if saved is not None:
         k = resolve_layer_budget(fora.layer_budget, num_layers)
-        if k != len(saved["chosen_layers"]):
+        if k != len(saved.chosen):
             warnings.warn(
                 f"FoRAConfig.layer_budget={fora.layer_budget!r} gives K={k} layers, but checkpoint {checkpoint} was "
-                f"trained with LoRA on K={len(saved['chosen_layers'])} layers {saved['chosen_layers']}: the resumed "
-                f"run keeps the checkpoint's layers. Start a new run (no resume_from_checkpoint) to adapt {k} layers.",
+                f"trained with LoRA on K={len(saved.chosen)} layers {saved.chosen}: the resumed run keeps the "
+                f"checkpoint's layers. Start a new run (no resume_from_checkpoint) to adapt {k} layers.",
                 stacklevel=2,
             )
         logger.info("FoRA: reusing the layer selection saved with the checkpoint (no re-scoring).")
-        scores = _saved_scores(saved, prefix)
-        return FoRASelection(
-            saved["chosen_layers"], num_layers, prefix, scores=scores, source="checkpoint", mode=fora.mode
-        )
+        scores = dataclasses.replace(saved.scores, layer_prefix=prefix) if saved.scores else None
+        return FoRASelection(saved.chosen, num_layers, prefix, scores=scores, source="checkpoint", mode=fora.mode)
     k = resolve_layer_budget(fora.layer_budget, num_layers)
     if fora.scores_path is not None:
-        saved = FoRASelection.read(fora.scores_path)
-        if saved.get("scores") is None or len(saved["scores"]) != num_layers:
-            held = "no scores" if saved.get("scores") is None else f"scores for {len(saved['scores'])} layers"
-            raise FoRAInputError(
-                f"scores_path={fora.scores_path!r} holds {held}, but this model has {num_layers} decoder layers: "
-                "give the fora_scores.json of a run on this model, or leave scores_path unset to score again."
-            )
-        scores = _saved_scores(saved, prefix)
+        scores = dataclasses.replace(load_scores(fora.scores_path, num_layers, "scores_path"), layer_prefix=prefix)
         chosen = select_layers(scores.scores, k, strategy=fora.layer_strategy, seed=seed)
         return FoRASelection(chosen, num_layers, prefix, scores=scores, source="scores_path", mode=fora.mode)
     if fora.layer_strategy != "fisher":
@@ -183,27 +121,14 @@ def choose_layers(
     return FoRASelection(chosen, num_layers, prefix, scores=scores, source="fisher", mode=fora.mode)
 
 
-def _checkpoint_selection(checkpoint: str, num_layers: int) -> dict[str, Any]:
-    saved = FoRASelection.read(checkpoint)
-    if saved["num_layers"] != num_layers:
+def _checkpoint_selection(checkpoint: str, num_layers: int) -> FoRASelection:
+    saved = FoRASelection.load(checkpoint)
+    if saved.num_layers != num_layers:
         raise FoRAInputError(
-            f"The checkpoint's selection is for {saved['num_layers']} layers, this model has "
-            f"{num_layers}: resume with the same model."
+            f"The checkpoint's selection is for {saved.num_layers} layers, this model has {num_layers}: resume with "
+            "the same model."
         )
     return saved
-
-
-def _saved_scores(saved: dict[str, Any], prefix: str) -> FisherScores | None:
-    if saved.get("scores") is None:
-        return None
-    return FisherScores(
-        saved["scores"],
-        saved["num_batches"],
-        saved["fisher_params"],
-        saved["seconds"] or 0.0,
-        saved.get("peak_memory_bytes"),
-        prefix,
-    )
 
 
 # ---------------------------------------------------------------------------------------------------- adapters
@@ -255,12 +180,9 @@ def init_fora_adapters(model: nn.Module, selection: FoRASelection, fora: FoRACon
 def readapt_lora(
     model: PeftModel, selection: FoRASelection, fora: FoRAConfig, seed: int, *, autocast_adapter_dtype: bool = True
 ) -> None:
-    """Move ``model``'s LoRA adapter onto the chosen layers only, then :func:`init_fora_adapters`.
-
-    Step 2 of FoRA's steps around a trainer (after step 1, :func:`choose_layers`), :func:`readapt_lora`: the
-    trainer's LoRA adapter moved onto those layers (:func:`restrict_lora_config` points the LoraConfig at exactly
-    their target linears), then :func:`init_fora_adapters`: Stiefel ``lora_B`` for the modes that use it, and the
-    per-layer parameter counts.
+    """Move ``model``'s LoRA adapter onto the chosen layers only (:func:`restrict_lora_config` points the LoraConfig
+    at exactly their target linears), then :func:`init_fora_adapters`: Stiefel ``lora_B`` for the modes that use it,
+    and the per-layer parameter counts.
 
     The trainer (SFTTrainer, Axolotl's) wrapped every layer the LoraConfig targets. The adapter comes off (weights
     and wrappers) and goes back under the same name with the same LoraConfig object, restricted in place (a trainer
@@ -424,19 +346,15 @@ def _lora_parameter_count(target: nn.Module | torch.Tensor, r: int) -> int:
 
 # ----------------------------------------------------------------------------------------------------- reports
 def write_selection(selection: FoRASelection, output_dir: str | Path, *, table: bool = True) -> None:
-    """``fora_scores.json`` and ``fora_scores.png`` in ``output_dir``, and (``table``) the table on stdout.
-
-    Step 4 of FoRA's steps around a trainer, :func:`write_selection`: ``fora_scores.json``, ``fora_scores.png`` and
-    the printed table; :class:`SaveSelectionCallback` puts the json in every checkpoint, so a resume adapts the same
-    layers.
+    """The selection's record and its plot in ``output_dir`` (``fora_scores.json``, ``fora_scores.png``), and
+    (``table``) the table on stdout. :class:`SaveSelectionCallback` puts the record in every checkpoint too, so a
+    resume adapts the same layers.
 
     Written when the run's outputs are: at the end of training (:class:`SaveSelectionCallback`), or by ``fora
     score``, whose output they are. A run that fails or is refused before that leaves an earlier run's files as they
     were.
     """
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / SCORES_FILE).write_text(json.dumps(selection.to_dict(), indent=2))
+    out = selection.save(output_dir).parent
     scores = selection.scores.scores if selection.scores else None
     plot_fisher_scores(out / SCORES_PLOT, scores, selection.chosen, selection.num_layers)
     if table:
@@ -448,11 +366,11 @@ def check_selection_free(output_dir: str | Path, key: str = "output_dir") -> Non
     ``fora_scores.json`` there records the layers that adapter was trained on, and new scores with another choice
     of layers would replace that record while the adapter stays on the old layers."""
     out = Path(output_dir)
-    if (out / ADAPTER_CONFIG).is_file():
+    if (out / CONFIG_NAME).is_file():
         refuse(
             key,
             str(output_dir),
-            f"it holds a trained adapter ({ADAPTER_CONFIG}) whose {SCORES_FILE} records the layers it was trained "
+            f"it holds a trained adapter ({CONFIG_NAME}) whose {SCORES_FILE} records the layers it was trained "
             f"on: the new scores and layer choice would replace that record while the adapter stays on the old layers",
             f"Give another output_dir for the scores (e.g. --output_dir {out / 'rescored'}).",
         )
@@ -478,11 +396,6 @@ def format_selection_table(selection: FoRASelection) -> str:
     return "\n".join(lines)
 
 
-def checkpoint_folder(args, state) -> Path:
-    """The checkpoint folder HF Trainer has just saved, in a callback's ``on_save``."""
-    return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-
-
 class SaveSelectionCallback(TrainerCallback):
     """Every checkpoint carries the selection, so a resume adapts the same layers without scoring again; the output
     folder gets ``fora_scores.json``/``.png`` once training has finished (not before: a failed run must not replace
@@ -497,9 +410,7 @@ class SaveSelectionCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if args.should_save:
-            folder = checkpoint_folder(args, state)
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / SCORES_FILE).write_text(json.dumps(self.selection.to_dict(), indent=2))
+            self.selection.save(checkpoint_folder(args, state))
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -511,8 +422,6 @@ class SaveSelectionCallback(TrainerCallback):
 class FoRALogs:
     """What FoRA adds to a training log: the largest ‖BᵀB − I‖, the mean effective rank of ΔW, and (in the first
     log only) the number of adapted layers, the trainable parameters and their ratio to LoRA on all layers.
-
-    Step 5 of FoRA's steps around a trainer, :class:`FoRALogs`: what FoRA adds to every training log.
     """
 
     def __init__(self, selection: FoRASelection) -> None:

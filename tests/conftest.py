@@ -1,6 +1,9 @@
-"""Tiny randomly initialised models and a character tokenizer, built locally: no hub, no download."""
+"""Tiny randomly initialised models and a character tokenizer, built locally: no hub, no download; and the README's
+code blocks, which tests run as written."""
 
+import re
 import string
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from transformers import (
 )
 
 
+README = Path(__file__).resolve().parent.parent / "README.md"
 GPT2_TARGETS = ["c_attn", "c_fc"]  # GPT-2's Conv1D linears: weight (in, out)
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # fused (E, ., .) expert Parameters
 TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
@@ -99,6 +103,15 @@ def tiny_moe(num_layers: int = 4, seed: int = 0, num_experts: int = 4, vocab_siz
     return Qwen3MoeForCausalLM(config).eval()
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A folder holding a saved 2-layer tiny Llama and the character tokenizer."""
+    folder = tmp_path_factory.mktemp("model")
+    tiny_llama(2).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture
 def llama():
     return tiny_llama()
@@ -108,3 +121,11 @@ def llama():
 def token_batch():
     gen = torch.Generator().manual_seed(123)
     return torch.randint(0, 96, (2, 12), generator=gen)
+
+
+def readme_code(language: str, marker: str) -> str:
+    """The README's one fenced ``language`` block that holds ``marker``, as written."""
+    blocks = re.findall(rf"^```{language}\n(.*?)^```$", README.read_text(), re.M | re.S)
+    found = [block for block in blocks if marker in block]
+    assert len(found) == 1, f"README.md has {len(found)} {language} blocks holding {marker!r}"
+    return found[0]

@@ -219,7 +219,8 @@ def fisher(mode: FakeTensorMode, device: torch.device) -> None:
 
 def fora_logs(mode: FakeTensorMode, device: torch.device) -> None:
     """The training log's diagnostics (drift, effective rank of ΔW) on the device, up to their one host read."""
-    from fora_plugin.wiring import FoRALogs, FoRASelection
+    from fora_plugin.selection import FoRASelection
+    from fora_plugin.wiring import FoRALogs
 
     model = lora_model(mode, device)
     with mode:

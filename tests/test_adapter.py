@@ -9,9 +9,10 @@ from conftest import GPT2_TARGETS, TARGETS, tiny_gpt2, tiny_llama
 from peft import LoraConfig, get_peft_model
 
 from fora_plugin import FoRAConfig, build_fora_optimizer, make_stiefel, stiefel_parameters
-from fora_plugin.fisher import find_decoder_layers
+from fora_plugin.selection import SCORES_FILE, FoRASelection
 from fora_plugin.stiefel import orthogonality_error
-from fora_plugin.wiring import SCORES_FILE, FoRASelection, choose_layers, init_fora_adapters, restrict_lora_config
+from fora_plugin.targets import find_decoder_layers
+from fora_plugin.wiring import choose_layers, init_fora_adapters, restrict_lora_config
 
 
 def lora(model, r=4, adapter_name="default", **kwargs):

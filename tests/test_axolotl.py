@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 
-pytest.importorskip("axolotl", reason="axolotl is not installed: pip install 'fora-plugin[axolotl]' (see .ci/run)")
+pytest.importorskip("axolotl", reason="axolotl is not installed: it has a virtualenv of its own (.ci/run)")
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from axolotl.integrations.base import BasePlugin  # noqa: E402
 from axolotl.utils.config import validate_config  # noqa: E402
 from axolotl.utils.dict import DictDefault  # noqa: E402
-from conftest import TARGETS, char_tokenizer, tiny_llama  # noqa: E402
+from conftest import TARGETS, char_tokenizer, readme_code, tiny_llama  # noqa: E402
 from datasets import load_from_disk  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -36,6 +36,8 @@ from fora_plugin.stiefel import orthogonality_error  # noqa: E402
 LAYERS = 4
 FISHER_BATCHES = 3
 LR, LR_STIEFEL = 1e-2, 5e-2
+# The README's Axolotl lines (the plugin, `adapter: lora`, its fora_* keys): every FoRA run below is built on them.
+README_LINES = yaml.safe_load(readme_code("yaml", PLUGIN_NAME))
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,9 @@ def lora_config(root: Path, name: str, **overrides) -> dict:
 
 
 def fora_config(root: Path, name: str, **overrides) -> dict:
-    fora = {"plugins": [PLUGIN_NAME], "fora_fisher_batches": FISHER_BATCHES, "fora_lr_stiefel": LR_STIEFEL}
+    """The README's Axolotl lines on the plain LoRA run, as written but for its scoring batches (the tiny dataset
+    has 36 rows) and lora_B's rate (2 steps must move it)."""
+    fora = {**README_LINES, "fora_fisher_batches": FISHER_BATCHES, "fora_lr_stiefel": LR_STIEFEL}
     return lora_config(root, name, **{**fora, **overrides})
 
 
@@ -253,6 +257,14 @@ def test_the_fora_keys_are_foraconfig_fields_with_its_help():
         assert FoRAArgs.model_fields[f"fora_{f.name}"].description == f.metadata["help"]
     assert fora_config_from(FoRAArgs().model_dump()) == FoRAConfig()
     assert FoRAPlugin().get_input_args() == "fora_plugin.axolotl.args.FoRAArgs"
+
+
+def test_the_readmes_axolotl_lines_enable_fora_with_their_values(workspace):
+    assert README_LINES["plugins"] == [PLUGIN_NAME] and README_LINES["adapter"] == "lora"
+    config = lora_config(workspace, "readme")
+    cfg = validate_config(DictDefault({**config, **README_LINES}))  # as written
+    assert fora_enabled(cfg)
+    assert fora_config_from(cfg) == FoRAConfig(layer_budget=0.5, fisher_batches=128, lr_stiefel=1e-3)
 
 
 def test_valid_fora_keys_reach_the_config(workspace):
@@ -560,7 +572,7 @@ def test_the_entry_point_name_stops_the_run_with_the_dotted_name(workspace):
     assert "Traceback" not in output and not (workspace / "short").exists()
 
 
-# Issue 21: what Axolotl itself takes without a check, refused by the plugin's args when the YAML enables it.
+# What Axolotl itself takes without a check, refused by the plugin's args when the YAML enables it.
 USER_INPUT_REFUSED = [
     ({"lora_r": 0}, r"lora_r=0 is invalid: use an int >= 1"),
     ({"lora_alpha": 0}, r"lora_alpha=0 is invalid: .*the adapter does nothing"),

@@ -1,4 +1,4 @@
-"""The backward stops at the lowest adapted decoder layer, with activation checkpointing too (issue 29).
+"""The backward stops at the lowest adapted decoder layer, with activation checkpointing too.
 
 Each run trains one step through ``FoRASFTTrainer``'s real wiring (TRL's embeddings hook, ``Trainer.train``'s own
 ``activation_checkpointing_enable``, the callback), and is compared with the behaviour before: the same LoRA weights
@@ -23,7 +23,7 @@ from fora_plugin.backward import (
     stop_backward_at_lowest_adapted_layer,
     trainable_below,
 )
-from fora_plugin.fisher import find_decoder_layers
+from fora_plugin.targets import find_decoder_layers
 
 
 HERE = Path(__file__).parent

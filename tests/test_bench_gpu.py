@@ -1,5 +1,5 @@
-"""bench/gpu.py, the one-call GPU bench of issue 26, in its tiny CPU mode: every section runs (or says it needs
-CUDA), so the script cannot rot between the sessions that have a GPU; bench/engines.py is its ``engines`` section."""
+"""bench/gpu.py, the one-call GPU bench, in its tiny CPU mode: every section runs (or says it needs CUDA), so the
+script cannot rot between the sessions that have a GPU; bench/engines.py is its ``engines`` section."""
 
 import json
 import math

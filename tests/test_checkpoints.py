@@ -1,11 +1,12 @@
-"""check_resumed_adapter: a checkpoint resumes only with the LoRA settings its adapter_config.json was saved with."""
+"""fora_plugin.checkpoints: ``resume_from_checkpoint`` names a checkpoint folder (one with trainer_state.json), and a
+checkpoint resumes only with the LoRA settings its adapter_config.json was saved with."""
 
 import json
 from types import SimpleNamespace
 
 import pytest
 
-from fora_plugin.checkpoints import check_resumed_adapter
+from fora_plugin.checkpoints import check_checkpoint, check_resumed_adapter
 
 
 def model_args(**changes):
@@ -58,3 +59,20 @@ def test_the_settings_it_was_trained_with_resume(tmp_path):
 def test_other_settings_are_refused_naming_both(tmp_path, changes, message):
     with pytest.raises(ValueError, match=message):
         check_resumed_adapter(checkpoint(tmp_path), model_args(**changes))
+
+
+def test_checkpoint_is_a_folder_with_trainer_state(tmp_path):
+    check_checkpoint(None, str(tmp_path))
+    check_checkpoint("false", str(tmp_path))
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint=True but output_dir .* holds no checkpoint"):
+        check_checkpoint("true", str(tmp_path))
+    run = tmp_path / "run"
+    (run / "checkpoint-4").mkdir(parents=True)
+    (run / "checkpoint-4" / "trainer_state.json").write_text("{}")
+    (run / "adapter_config.json").write_text("{}")
+    check_checkpoint(True, str(run))
+    check_checkpoint(str(run / "checkpoint-4"), str(tmp_path))
+    with pytest.raises(ValueError, match=r"it is a saved adapter, not a checkpoint.*Resume from .*checkpoint-4"):
+        check_checkpoint(str(run), str(tmp_path))
+    with pytest.raises(ValueError, match=r"no such folder"):
+        check_checkpoint(str(tmp_path / "nope"), str(tmp_path))

@@ -181,7 +181,7 @@ def test_load_in_4bit_in_the_yaml_trains_qfora_on_a_4bit_base(setup):
     # QFoRA from the config: TRL's quantization keys become a BitsAndBytesConfig (NF4, nested quant, the compute
     # dtype from `dtype`), the base loads as Linear4bit, and the adapter goes on the chosen layers only.
     bnb = pytest.importorskip("bitsandbytes")
-    from fora_plugin.cli import build_trainer
+    from fora_plugin.recipe import build_trainer
 
     root, path = setup
     overrides = ["--load_in_4bit", "true", "--bnb_4bit_quant_type", "nf4", "--use_bnb_nested_quant", "true"]

@@ -403,8 +403,8 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
         r"grid\.yaml is not valid YAML",
     ),
     ("ablate-unknown-run", lambda c: ["ablate", ablation_config(c, {"runs": ["lora", "qlora2"]})], r"qlora2"),
-    # ---------------------------------------------------------------- issue 21: bad input, second round
-    # regressions: PEFT's errors reached the user as tracebacks
+    # ---------------------------------------------------------------- PEFT's errors, each as one line
+    # what PEFT would otherwise report with a traceback
     (
         "target-module-absent",
         lambda c: ["train", c.config(lora_target_modules=["q_proj", "qkv_proj"])],
@@ -517,7 +517,7 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
     (
         "mode-one-line-labelled",
         lambda c: ["train", c.config(), "--fora_mode", "foraa"],
-        # issue 28: a value of the command line is named as such, not blamed on the config file
+        # a value of the command line is named as such, not blamed on the config file
         r"^fora train: error: --fora_mode on the command line: invalid choice: 'foraa' \(choose from 'fora', ",
     ),
     (
@@ -648,8 +648,8 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
         lambda c: ["ablate", ablation_config(c, {"runs": ["lora"], "output_dir": c.file("grid.txt", "x")})],
         r"ablation\.output_dir='.*grid\.txt' is a file",
     ),
-    # ---------------------------------------------------------------- issue 28: bad input, third round
-    # tracebacks
+    # ---------------------------------------------------------------- library errors, each as one line
+    # what a library would otherwise report with a traceback
     (
         "target-module-one-name-cli",
         lambda c: ["train", c.config(drop=("lora_target_modules",)), "--lora_target_modules", "foo_proj"],
@@ -824,7 +824,7 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], str]] = [
         lambda c: ["train", c.config(fora_scores_path=c.file("s.json", '{"scores": [1, 2}'))],
         r"fora_scores_path .*s\.json is not valid JSON: .* at line 1",
     ),
-    # ---------------------------------------------------------------- issue 38: bad input, fourth round
+    # ---------------------------------------------------------------- a library's error of any type, as one line
     # tracebacks: a library's error for what the user gave, whatever its type, is one line where the input is named
     (
         "model-folder-without-tokenizer",  # transformers 5 raises ValueError here, not OSError
@@ -1257,7 +1257,7 @@ VALID: list[tuple[str, Callable[[Ctx], list[str]], Callable[[Ctx], bool]]] = [
         lambda c: scored(c.tmp / "scored"),
     ),
     (
-        "dataset-save-to-disk-folder",  # issue 38, case 14: loaded with datasets.load_from_disk
+        "dataset-save-to-disk-folder",  # loaded with datasets.load_from_disk
         lambda c: ["score", c.config(dataset_name=c.save_to_disk(), output_dir=str(c.tmp / "scored"))],
         lambda c: scored(c.tmp / "scored"),
     ),
@@ -1372,8 +1372,8 @@ def test_a_finished_run_writes_the_selection_of_its_adapter_and_fora_report_take
     "targets", [{}, {"lora_target_parameters": EXPERT_PARAMETERS, "lora_dropout": 0.0}], ids=["qkv", "qkv-experts"]
 )
 def test_a_float32_moe_plan_plans_like_the_bfloat16_one(tmp_path, targets):
-    """Issue 28, item 12: the plan of a 2-expert Qwen3-MoE in float32 (the quickstart's dtype) stopped on the fused
-    experts' grouped matmul ("Expected inputs of BF16 type"). It plans, with the FLOPs of the bfloat16 plan and
+    """The plan of a 2-expert Qwen3-MoE in float32 (the quickstart's dtype), whose fused experts' grouped matmul takes
+    bf16 inputs only on the CPU ("Expected inputs of BF16 type"): it plans, with the FLOPs of the bfloat16 plan and
     float32 weights."""
     model = tiny_moe(num_layers=2, num_experts=2)
     model.config.save_pretrained(tmp_path / "moe")

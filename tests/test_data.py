@@ -11,7 +11,7 @@ import pytest
 from conftest import char_tokenizer
 from datasets import Dataset, DatasetDict
 
-from fora_plugin.data import alpaca_to_prompt_completion, check_chat_rows, load_train_dataset
+from fora_plugin.data import alpaca_to_prompt_completion, check_chat_rows, check_completions, load_train_dataset
 
 
 EXAMPLE_CONFIGS = Path(__file__).resolve().parents[1] / "example_configs"
@@ -188,20 +188,6 @@ def test_malformed_json_names_the_file_and_the_line(tmp_path, name, text, messag
         load_train_dataset(str(tmp_path / name))
 
 
-def test_read_json_names_the_file_and_line_of_a_mistake(tmp_path):
-    from fora_plugin.data import read_json
-
-    good = tmp_path / "q.jsonl"
-    good.write_text('{"a": 1}\n\n{"a": 2}\n')
-    assert read_json(good, lines=True) == [{"a": 1}, {"a": 2}]
-    (tmp_path / "bad.jsonl").write_text('{"a": 1}\n\n{"a": }\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl is not valid JSON Lines: .* at line 3, column 7"):
-        read_json(tmp_path / "bad.jsonl", lines=True)
-    (tmp_path / "bad.json").write_text('[\n  {"a": 1},\n  {"a" 2}\n]')
-    with pytest.raises(ValueError, match=r"bad\.json is not valid JSON: .* at line 3, column 8"):
-        read_json(tmp_path / "bad.json")
-
-
 def test_a_file_that_is_not_utf8_is_refused_naming_it_and_the_line(tmp_path):
     path = tmp_path / "latin.jsonl"
     path.write_bytes(
@@ -334,3 +320,14 @@ def test_conversations_are_rendered_by_the_chat_template_before_the_model_loads(
     ):
         check_chat_rows(Dataset.from_list([{"messages": m} for m in chat]), tokenizer, "d.json", "m")
     check_chat_rows(Dataset.from_list([{"text": "plain"}]), tokenizer, "d.json", "m")  # no conversation: nothing to do
+
+
+def test_completions_all_empty_refused_some_empty_warned():
+    with pytest.raises(ValueError, match=r"all 2 rows have an empty 'completion'"):
+        check_completions(Dataset.from_list([{"prompt": "a", "completion": ""}] * 2), "d.json")
+    with pytest.warns(UserWarning, match=r"1 of 2 rows have an empty 'text'"):
+        check_completions(Dataset.from_list([{"text": "a"}, {"text": "  "}]), "d.json")
+    messages = [{"role": "user", "content": "hi"}]
+    check_completions(
+        Dataset.from_list([{"prompt": messages, "completion": [{"role": "assistant", "content": "x"}]}]), "d"
+    )

@@ -5,7 +5,9 @@ virtualenv runs; .ci/axolotl-constraints.txt pins the Axolotl virtualenv and .ci
 all four, so that none of them can drift from the others.
 """
 
+import dataclasses
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,23 @@ def test_the_axolotl_virtualenv_column_is_what_ci_installs():
     for name, row in readme_table().items():
         cell = row["Axolotl virtualenv"]
         assert cell == pins.get(name, NOT_INSTALLED) or cell == f"{pins.get(name)}+cpu", (name, cell, pins.get(name))
+
+
+@pytest.mark.parametrize("checkpointing", [None, "true"])
+def test_a_config_runs_on_the_floor_and_the_newest_transformers(checkpointing):
+    """The configs write `activation_checkpointing`, transformers 5.23's name; the Axolotl virtualenv runs this test
+    with transformers 5.20.1, the floor, which knows `gradient_checkpointing` only and reads it in its place."""
+    from trl import SFTConfig
+
+    from fora_plugin.recipe import RENAMED_TRAINING_ARGUMENTS, parse_config
+
+    overrides = [] if checkpointing is None else ["--activation_checkpointing", checkpointing]
+    quickstart = ROOT / "example_configs" / "quickstart.yaml"
+    assert "activation_checkpointing: false" in quickstart.read_text()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # neither name reported as deprecated
+        _, training_args, _, _ = parse_config(str(quickstart), overrides)
+    names = {f.name for f in dataclasses.fields(SFTConfig)}
+    name = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    assert getattr(training_args, name) is (checkpointing == "true")
+    assert set(RENAMED_TRAINING_ARGUMENTS.values()) <= names  # the old names: in every supported transformers

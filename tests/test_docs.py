@@ -121,13 +121,17 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 
 @functools.cache
 def override_flags() -> frozenset[str]:
-    """`--<field>` for every field of the argument classes `fora train` parses its config into."""
+    """`--<field>` for every field of the argument classes `fora train` parses its config into, and the new names of
+    the training arguments transformers renamed (`fora` reads them on an older transformers too)."""
     from trl import ModelConfig, ScriptArguments, SFTConfig
 
     from fora_plugin.config import FoRAArguments
+    from fora_plugin.recipe import RENAMED_TRAINING_ARGUMENTS
 
     classes = (ScriptArguments, SFTConfig, ModelConfig, FoRAArguments)
-    return frozenset(f"--{field.name}" for cls in classes for field in dataclasses.fields(cls))
+    return frozenset(f"--{field.name}" for cls in classes for field in dataclasses.fields(cls)) | frozenset(
+        f"--{name}" for name in RENAMED_TRAINING_ARGUMENTS
+    )
 
 
 @functools.cache
@@ -249,9 +253,6 @@ def page_id(page: Path) -> str:
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_every_command_names_a_real_subcommand_and_flag(page):
-    if "--activation_checkpointing" not in override_flags():
-        # docs/testing.md: the YAML configs and commands need transformers >= 5.23, which introduced the key.
-        pytest.skip("this transformers has no activation_checkpointing, which the documented commands use")
     assert command_problems(page.read_text()) == []
 
 
@@ -279,6 +280,17 @@ def test_each_docs_page_has_a_title_and_links_back_to_the_readme(page):
     assert lines[0].startswith("# "), lines[0]
     assert "](../README.md)" in "\n".join(lines[:12]), "no link back to the README near the top"
     assert f"](docs/{page.name})" in README.read_text() or f"](docs/{page.name}#" in README.read_text()
+
+
+def test_the_api_pages_layout_lists_the_packages_layers_in_their_import_order():
+    import fora_plugin
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    layout = text[text.index("## Layout") :]
+    rows = re.findall(r"^\| `fora_plugin/([\w]+)(?:\.py|/)`", layout, re.M)
+    match = re.search(r"each importing only those before it: (.*?)\.\n", fora_plugin.__doc__, re.S)
+    order = [name.strip() for name in " ".join(match.group(1).split()).split(",")]
+    assert rows == order, "docs/api.md's Layout table lists the layers of fora_plugin/__init__.py, in that order"
 
 
 def test_the_checks_catch_a_made_up_flag_subcommand_script_link_and_anchor():

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from fora_plugin.ablate import RUNS, load_ablation_config
-from fora_plugin.cli import parse_config
+from fora_plugin.recipe import parse_config
 
 
 EXAMPLES = Path(__file__).parent.parent / "example_configs"
@@ -55,3 +55,10 @@ def test_config_parses_without_deprecation_warnings(path):
         parse_config(str(path), ["--bf16", "false", "--use_cpu", "true"])
     deprecated = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
     assert deprecated == []
+
+
+def test_the_axolotl_readmes_usage_block_is_the_axolotl_quickstart_config():
+    readme = (Path(__file__).parent.parent / "fora_plugin" / "axolotl" / "README.md").read_text()
+    (block,) = [b for b in readme.split("```yaml\n")[1:] if "plugins:" in b]
+    shown = yaml.safe_load(block.split("```")[0])
+    assert shown == yaml.safe_load((EXAMPLES / "axolotl" / "quickstart.yaml").read_text())

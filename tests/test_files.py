@@ -1,9 +1,19 @@
-"""check_chat_template: a Jinja chat template compiled up front accepts what transformers compiles and refuses,
-naming where it comes from and the line, what it cannot."""
+"""fora_plugin.files: the text and JSON readers name the file, line and column of a mistake; a Jinja chat template
+compiled up front accepts what transformers compiles and refuses, naming where it comes from and the line, what it
+cannot; an output folder is tried, not guessed."""
+
+import json
+import os
 
 import pytest
 
-from fora_plugin.files import check_chat_template, read_chat_template
+from fora_plugin.files import (
+    check_chat_template,
+    check_output_folder,
+    json_error_position,
+    read_chat_template,
+    read_json,
+)
 
 
 TEMPLATES = [
@@ -45,3 +55,42 @@ def test_a_template_file_is_read_as_utf8_and_compiled_naming_the_key_and_file(tm
         read_chat_template(path, "--mt-bench-chat-template")
     with pytest.raises(ValueError, match=r"^t is a dict, not a Jinja template"):
         check_chat_template({"default": "x"}, "t")
+
+
+def test_output_folder_is_tried_not_guessed(tmp_path):
+    check_output_folder(tmp_path / "new" / "deeper", "output_dir")
+    assert not (tmp_path / "new").exists()  # checking creates nothing
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"output_dir='.*file' is a file"):
+        check_output_folder(tmp_path / "file", "output_dir")
+    with pytest.raises(ValueError, match=r"no folder can be made under it"):
+        check_output_folder(tmp_path / "file" / "out", "output_dir")
+    if os.geteuid() != 0:  # root writes through permission bits
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        with pytest.raises(ValueError, match=r"is not writable"):
+            check_output_folder(locked / "out", "output_dir")
+    with pytest.raises(ValueError, match=r"/proc is not writable"):
+        check_output_folder("/proc/fora-out", "output_dir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] + (["locked"] if os.geteuid() != 0 else [])
+
+
+def test_json_errors_say_where_once():
+    with pytest.raises(json.JSONDecodeError) as info:
+        json.loads('{"a": "b')
+    assert json_error_position(info.value) == "Unterminated string starting at line 1, column 7"
+    with pytest.raises(json.JSONDecodeError) as info:
+        json.loads('{"a": 1,\n "b" 2}')
+    assert json_error_position(info.value, first_line=5) == "Expecting ':' delimiter at line 6, column 6"
+
+
+def test_read_json_names_the_file_and_line_of_a_mistake(tmp_path):
+    good = tmp_path / "q.jsonl"
+    good.write_text('{"a": 1}\n\n{"a": 2}\n')
+    assert read_json(good, lines=True) == [{"a": 1}, {"a": 2}]
+    (tmp_path / "bad.jsonl").write_text('{"a": 1}\n\n{"a": }\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl is not valid JSON Lines: .* at line 3, column 7"):
+        read_json(tmp_path / "bad.jsonl", lines=True)
+    (tmp_path / "bad.json").write_text('[\n  {"a": 1},\n  {"a" 2}\n]')
+    with pytest.raises(ValueError, match=r"bad\.json is not valid JSON: .* at line 3, column 8"):
+        read_json(tmp_path / "bad.json")

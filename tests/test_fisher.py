@@ -10,7 +10,8 @@ from conftest import GPT2_TARGETS, TARGETS, tiny_gpt2, tiny_llama
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from fora_plugin.fisher import _LayerAccumulator, find_decoder_layers, fisher_scores, squared_norm_of_outer_sum
+from fora_plugin.fisher import _LayerAccumulator, fisher_scores, squared_norm_of_outer_sum
+from fora_plugin.targets import find_decoder_layers
 
 
 def make_batches(n=3, batch=2, length=10, seed=0, masked_prefix=0):
@@ -124,6 +125,26 @@ def test_gradient_checkpointing_does_not_change_scores(reentrant, linear_grad):
     model = tiny_llama()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     assert_close(fisher_scores(model, batches, 3, linear_grad=linear_grad, progress=False).scores, plain)
+
+
+def test_modules_given_as_quantized_are_scored_from_their_inputs_and_output_gradients():
+    """fora plan's fake 4-bit models hold float linears that stand for quantized ones: passed as ``quantized``, they
+    take the route of a quantized linear (x and g, no weight gradient), which gives the same scores."""
+    batches = make_batches()
+    expected = brute_force_scores(tiny_llama(), batches)
+    model = tiny_llama()
+    linears = [m for layer in find_decoder_layers(model)[1] for m in layer.modules() if isinstance(m, nn.Linear)]
+    with mock.patch(
+        "fora_plugin.fisher.squared_norm_of_outer_sum", side_effect=squared_norm_of_outer_sum
+    ) as outer_sums:
+        scores = fisher_scores(model, batches, 3, quantized=linears, progress=False).scores
+    assert_close(scores, expected)
+    # One ‖Σ g xᵀ‖² per stand-in and batch (weights and biases of the tiny Llama: none have a bias).
+    assert outer_sums.call_count == len(linears) * len(batches)
+    assert all(p.grad is None for p in model.parameters())
+    with mock.patch("fora_plugin.fisher.squared_norm_of_outer_sum", side_effect=squared_norm_of_outer_sum) as none:
+        fisher_scores(tiny_llama(), batches, 3, progress=False)
+    assert none.call_count == 0  # without them, float linears go through autograd
 
 
 def test_a_peft_model_is_scored_on_its_base_and_its_adapter_stays_trainable():

@@ -8,7 +8,7 @@ import torch
 from conftest import TARGETS, tiny_llama
 from peft import LoraConfig, get_peft_model
 
-from fora_plugin import FoRAOptimizer, build_fora_optimizer, make_stiefel
+from fora_plugin import FoRAOptimizer, build_fora_optimizer, create_fora_optimizer, make_stiefel
 from fora_plugin.optim import MasterAdamW, fora_optimizer_parts
 from fora_plugin.stiefel import orthogonality_error, random_stiefel
 
@@ -210,3 +210,61 @@ def test_accelerate_save_state_resumes_bf16_adapters_with_their_masters(tmp_path
         return {n: m.clone() for n, m in masters.items()}
 
     assert all(torch.equal(a, b) for a, b in zip(run(0, False).values(), run(3, True).values()))
+
+
+def stiefel_llama(seed: int = 0):
+    torch.manual_seed(seed)
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=TARGETS))
+    make_stiefel(model, generator=torch.Generator().manual_seed(seed))
+    return model
+
+
+def test_create_fora_optimizer_takes_every_setting_by_keyword_and_steps_as_build_fora_optimizer():
+    settings = dict(
+        lr=1e-2,
+        lr_stiefel=5e-2,
+        weight_decay=0.01,
+        betas=(0.8, 0.9),
+        eps=1e-7,
+        stiefel_betas=(0.7, 0.95),
+        stiefel_eps=1e-6,
+        qr_period=2,
+        cayley_iters=3,
+        reproject_threshold=1e-4,
+        foreach=False,
+    )
+    created_model, built_model = stiefel_llama(), stiefel_llama()
+    created = create_fora_optimizer(created_model, **settings)
+    built = build_fora_optimizer(built_model, **settings)  # the reference: the positional-and-kwargs entry point
+    assert isinstance(created, FoRAOptimizer)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in created.param_groups] == [
+        {k: v for k, v in g.items() if k != "params"} for g in built.param_groups
+    ]
+    start = {n: p.detach().clone() for n, p in created_model.named_parameters() if p.requires_grad}
+    batch = {"input_ids": torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(1))}
+    for model, optimizer in ((created_model, created), (built_model, built)):
+        for _ in range(3):
+            model(**batch, labels=batch["input_ids"]).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for (name, a), (_, b) in zip(created_model.named_parameters(), built_model.named_parameters()):
+        assert torch.equal(a, b), name
+    assert all(not torch.equal(p, start[n]) for n, p in created_model.named_parameters() if n in start)  # it trained
+    with pytest.raises(TypeError):
+        create_fora_optimizer(created_model, 1e-3, 1e-3)  # no positional settings
+    with pytest.raises(TypeError):
+        create_fora_optimizer(created_model, lr=1e-3)  # lr_stiefel is required: no silent default
+    with pytest.raises(TypeError):
+        create_fora_optimizer(created_model, lr=1e-3, lr_stiefel=1e-3, momentum=0.9)  # nothing passes unread
+
+
+def test_create_fora_optimizer_has_the_defaults_of_fora_optimizer_parts():
+    import inspect
+
+    explicit = inspect.signature(create_fora_optimizer).parameters
+    flexible = inspect.signature(fora_optimizer_parts).parameters
+    assert all(p.kind is p.KEYWORD_ONLY for name, p in explicit.items() if name != "model")
+    assert explicit["lr"].default is explicit["lr_stiefel"].default is inspect.Parameter.empty  # required
+    shared = set(explicit) & set(flexible) - {"model", "lr", "lr_stiefel"}
+    assert set(explicit) - set(flexible) == {"foreach", "fused"}  # AdamW's flags, which build_fora_optimizer passes on
+    assert {name: explicit[name].default for name in shared} == {name: flexible[name].default for name in shared}

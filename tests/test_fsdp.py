@@ -21,8 +21,9 @@ from fora_plugin.fsdp import (
     gathered_adapters,
     prepare_fsdp2,
 )
+from fora_plugin.selection import FoRASelection
 from fora_plugin.stiefel import orthogonality_error
-from fora_plugin.wiring import FoRALogs, FoRASelection
+from fora_plugin.wiring import FoRALogs
 
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))

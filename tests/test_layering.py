@@ -1,8 +1,11 @@
-"""The package's layering, read from its source: what each module says it may import, and what it does import.
+"""The package's layering, read from its source: what each module says it may import, and what it does import; and
+the one home of each concept.
 
 Every module of ``fora_plugin`` opens with a docstring whose ``May import:`` paragraph names the package modules it
 may import, and ``fora_plugin/__init__.py`` gives the order of the layers. These tests hold the code to both, so a new
-import that breaks the layering fails here rather than as a cycle found at run time.
+import that breaks the layering fails here rather than as a cycle found at run time. :data:`HOMES` names the module
+of each concept (a file, a model, a checkpoint, the selection record, ...): its names are defined there only and
+imported from there only, and no module passes on names it does not define.
 """
 
 import ast
@@ -17,8 +20,8 @@ import fora_plugin
 PACKAGE = Path(fora_plugin.__file__).resolve().parent
 REPO = PACKAGE.parent
 # Imports of the package's own modules inside functions: allowed where start-up time or a real cycle demands it,
-# each with a `# lazy: <reason>` comment on its line. None is needed today (issue 27 allowed 12): raising this bound is
-# a decision to make in review.
+# each with a `# lazy: <reason>` comment on its line. None is needed: raising this bound is a decision to make in
+# review.
 MAX_LAZY_IMPORTS = 0
 MAX_MODULE_DOCSTRING_LINES = 12
 
@@ -205,3 +208,186 @@ def test_no_module_is_a_stand_in_for_tests_only():
     # Code that only tests and benchmarks use lives beside them, not in the package users install.
     assert not (PACKAGE / "host_sync.py").exists()
     assert (REPO / "tests" / "host_sync.py").is_file()
+
+
+# ------------------------------------------------------------------------------------------ one home per concept
+# Each concept's one home: the module that defines its names. A name below defined a second time anywhere in the
+# package (a copy), or imported from another module than its home (a re-export, an alias), fails here; a package's
+# __init__ that re-exports it is its public face and counts as home too.
+HOMES = {
+    "what a user gives as a file or folder": (
+        "fora_plugin.files",
+        ["check_chat_template", "check_file", "check_nonblank_text", "check_output_folder", "check_text_file"]
+        + ["json_error_position", "read_chat_template", "read_json"],
+    ),
+    "model folders, config.json, the meta-device model, loading a model": (
+        "fora_plugin.models",
+        ["check_model", "check_model_config", "check_model_folder", "load_model", "load_model_config"]
+        + ["load_tokenizer", "meta_model", "resolve_model_path"],
+    ),
+    "target names against the model": ("fora_plugin.targets", ["check_target_modules", "check_target_parameters"]),
+    "checkpoints": (
+        "fora_plugin.checkpoints",
+        ["RESUME_LAST", "RESUME_OFF", "STIEFEL_STATE_FILE", "check_checkpoint", "check_checkpoint_files"]
+        + ["check_resumed_adapter", "checkpoint_folder", "resolve_checkpoint", "resumes"],
+    ),
+    "the layer choice and its record": (
+        "fora_plugin.selection",
+        ["SCORES_FILE", "SCORES_PLOT", "FoRASelection", "check_layer_indices", "load_scores", "select_layers"],
+    ),
+    "adapter folders": ("fora_plugin.report", ["check_adapter_folder"]),
+    "datasets": (
+        "fora_plugin.data",
+        ["check_chat_rows", "check_column_types", "check_columns", "check_completions", "check_json_rows_file"]
+        + ["check_rows_fit", "load_train_dataset"],
+    ),
+    "the number rules and config blocks": (
+        "fora_plugin.validation",
+        ["NUMBER_RULES", "check_block", "check_known_keys", "check_list", "check_number", "check_numbers"],
+    ),
+    "a `fora train` config": ("fora_plugin.recipe", ["check_lora_arguments", "load_yaml_config", "parse_config"]),
+    "`fora eval`'s flags": ("fora_plugin.cli", ["check_eval_arguments"]),
+    "the ablation block": ("fora_plugin.ablate", ["ABLATION_EVAL_KEYS", "ABLATION_KEYS", "check_ablation_block"]),
+    "the Axolotl keys": ("fora_plugin.axolotl.args", ["AXOLOTL_KEYS", "FoRAArgs", "fora_config_from"]),
+    "DeepSpeed configs": ("fora_plugin.zero.checks", ["check_deepspeed_config", "load_deepspeed_config"]),
+    "FoRA on a Trainer under DeepSpeed": ("fora_plugin.zero.prepare", ["ZeroStiefelCallback", "prepare_deepspeed"]),
+    "FoRA on a Trainer under FSDP2": ("fora_plugin.fsdp", ["FSDP2Callback", "check_fsdp", "prepare_fsdp2"]),
+    "the steps both front ends take on a Trainer": (
+        "fora_plugin.training",
+        ["checkpoint_as_in_training", "fora_optimizer", "prepare_fora_training", "score_on_trainer"],
+    ),
+    "the TRL trainer": ("fora_plugin.trainer", ["FoRASFTTrainer"]),
+    "FoRA's optimizer": ("fora_plugin.optim.fora_optimizer", ["build_fora_optimizer", "create_fora_optimizer"]),
+    "the planner's memory tracker": ("fora_plugin.plan.memory", ["LiveTensorTracker", "storage_bytes"]),
+    "what each engine shards, for the planner": ("fora_plugin.plan.engine_rules", ["ENGINES", "EngineSharding"]),
+}
+# Words of the selection record (fora_scores.json) that no other module has reason to write.
+RECORD_WORDS = ("fora_scores.json", "fora_scores.png")
+COMMON_RECORD_KEYS = {
+    "mode",
+    "source",
+    "k",
+    "scores",
+    "fisher_params",
+    "seconds",
+    "target_modules",
+    "target_parameters",
+}
+MAX_VALIDATION_LINES = 249
+
+
+def _definitions(path: Path) -> set[str]:
+    """The names a module defines at its top level (functions, classes, assignments), not those it imports."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _faces(module: str) -> set[str]:
+    """A module and the packages above it, whose __init__ may re-export its names."""
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+
+
+def _absolute_imports(path: Path) -> list[tuple[str, str, int]]:
+    """(module, name, line) of each `from fora_plugin... import name` in a test or bench file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("fora_plugin"):
+            found += [(node.module, alias.name, node.lineno) for alias in node.names]
+    return found
+
+
+def test_each_concept_is_defined_in_its_home_and_nowhere_else():
+    defined = {module: _definitions(path) for module, path in MODULES.items()}
+    for concept, (home, names) in HOMES.items():
+        missing = [n for n in names if n not in defined[home]]
+        assert not missing, f"{concept}: {home} does not define {missing}"
+        copies = [f"{m}.{n}" for m in defined for n in names if m != home and n in defined[m]]
+        assert not copies, f"{concept} lives in {home}; defined again in {copies}"
+
+
+def test_each_concept_is_imported_from_its_home():
+    homes = {name: home for home, names in HOMES.values() for name in names}
+    stray = []
+    for module, path in MODULES.items():
+        for target, names, node, _ in _imports(path):
+            stray += [
+                f"{module}:{node.lineno} {n} from {target}"
+                for n in names
+                if n in homes and target not in _faces(homes[n])
+            ]
+    for path in [*sorted((REPO / "tests").rglob("*.py")), *sorted((REPO / "bench").glob("*.py"))]:
+        for target, name, line in _absolute_imports(path):
+            if name in homes and target not in _faces(homes[name]):
+                stray.append(f"{path.relative_to(REPO)}:{line} {name} from {target}")
+    assert not stray, f"imported from another module than their home (HOMES): {stray}"
+
+
+def test_no_module_passes_on_another_modules_names():
+    """A name is imported from the module that defines it (or a package __init__ that re-exports it), never through a
+    module that only imports it: so a check cannot be taken from a module other than the one of what it checks."""
+    definers: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        for name in _definitions(path):
+            definers.setdefault(name, set()).add(module)
+    passed_on = []
+    for module, path in MODULES.items():
+        for target, names, node, _ in _imports(path):
+            if target not in MODULES or MODULES[target].name == "__init__.py":
+                continue
+            for name in names:
+                if name in definers and target not in definers[name] and f"{target}.{name}" not in MODULES:
+                    passed_on.append(
+                        f"{module}:{node.lineno} {name} via {target} (defined in {sorted(definers[name])})"
+                    )
+    for path in [*sorted((REPO / "tests").rglob("*.py")), *sorted((REPO / "bench").glob("*.py"))]:
+        for target, name, line in _absolute_imports(path):
+            if target in MODULES and MODULES[target].name != "__init__.py" and name in definers:
+                if target not in definers[name]:
+                    passed_on.append(f"{path.relative_to(REPO)}:{line} {name} via {target}")
+    assert not passed_on, f"names taken from a module that does not define them: {passed_on}"
+
+
+def _strings_outside_docstrings(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+def test_the_selection_files_name_and_keys_appear_in_its_module_only():
+    from fora_plugin.selection import FoRASelection
+
+    keys = set(FoRASelection([0], 1, "model.layers").to_dict()) - COMMON_RECORD_KEYS
+    home = MODULES["fora_plugin.selection"]
+    found = []
+    for module, path in MODULES.items():
+        if path == home:
+            continue
+        for line, text in _strings_outside_docstrings(path):
+            if text in keys or any(word in text for word in RECORD_WORDS):
+                found.append(f"{module}:{line} {text!r}")
+    assert not found, f"the selection record's file name or keys outside fora_plugin/selection.py: {found}"
+    assert sum(text in keys for _, text in _strings_outside_docstrings(home)) >= len(keys)  # the check sees them
+
+
+def test_validation_keeps_the_primitives_only():
+    lines = len(MODULES["fora_plugin.validation"].read_text().splitlines())
+    assert lines <= MAX_VALIDATION_LINES, f"validation.py runs {lines} lines: a check of a thing belongs to its module"
+    assert _declared(MODULES["fora_plugin.validation"]) == {"errors"}

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from fora_plugin.memory import LiveTensorTracker, flop_formulas
+from fora_plugin.plan.memory import LiveTensorTracker, flop_formulas
 
 
 def _tracked_flops(fn) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TARGETS, char_tokenizer, tiny_llama
+from conftest import TARGETS, tiny_llama
 
 from fora_plugin import models
 from fora_plugin.models import (
@@ -149,14 +149,6 @@ def test_a_file_is_not_a_model_folder(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"weights\.bin is not a folder"):
         resolve_model_path(str(tmp_path / "weights.bin"), cache_dir=tmp_path / "cache")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("model")
-    tiny_llama(2).save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder
 
 
 def copy_of(model_dir: Path, tmp_path: Path) -> Path:

@@ -13,15 +13,11 @@ from test_trainer import VOCAB, sft_args, sums_dataset
 
 from fora_plugin import FoRAConfig, FoRASFTTrainer, build_fora_optimizer, stiefel_num_experts, stiefel_parameters
 from fora_plugin.adapter import expert_blocks
-from fora_plugin.fisher import find_decoder_layers, fisher_scores
+from fora_plugin.fisher import fisher_scores
+from fora_plugin.selection import FoRASelection
 from fora_plugin.stiefel import orthogonality_error
-from fora_plugin.wiring import (
-    FoRASelection,
-    _max_drift,
-    format_selection_table,
-    init_fora_adapters,
-    restrict_lora_config,
-)
+from fora_plugin.targets import find_decoder_layers
+from fora_plugin.wiring import _max_drift, format_selection_table, init_fora_adapters, restrict_lora_config
 
 
 CHOSEN = [1, 3]

@@ -19,8 +19,9 @@ from fora_plugin.diagnostics import (
     mean_effective_rank,
 )
 from fora_plugin.monitor import DivergenceMonitor, stiefel_counters
+from fora_plugin.selection import FoRASelection
 from fora_plugin.stiefel import orthogonality_error, random_stiefel
-from fora_plugin.wiring import FoRALogs, FoRASelection
+from fora_plugin.wiring import FoRALogs
 
 
 def stiefel_lora_model():
@@ -157,7 +158,7 @@ def test_counters_are_found_inside_a_zero_client_like_wrapper():
 
 
 def test_both_counters_are_read_back_in_one_host_sync():
-    # A log must cost at most one read of the device (issue 37): the two counters come back together.
+    # A log must cost at most one read of the device: the two counters come back together.
     model = stiefel_lora_model()
     optimizer = build_fora_optimizer(model)
     gen = torch.Generator().manual_seed(3)

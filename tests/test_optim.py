@@ -603,7 +603,7 @@ def copies_forced(opt, staged):
 @pytest.mark.parametrize("staged", [True, False])
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "experts"])
 def test_the_copies_in_and_out_are_a_few_multi_tensor_kernels_whatever_the_number_of_matrices(kind, staged):
-    """The GPU run of issue 26 found the step bound by the host issuing kernels: a strided copy per matrix took
+    """On a GPU the step is bound by the host issuing kernels (docs/gpu.md): a strided copy per matrix would take
     hundreds of launches a step. Staged (as on an accelerator), each list copy must be one that CUDA runs as one
     multi-tensor kernel, and the ops of a step must not grow with the number of matrices in a bucket; both ways (the
     CPU steps matrix by matrix), the step must give the same parameters and state, to fp32 rounding."""
@@ -1004,7 +1004,7 @@ def test_a_captured_step_is_the_eager_step(kind, implementation, captures):
 
 @pytest.fixture(scope="module")
 def previous_package():
-    """fora_plugin before this step (a buffer per bucket, issue 30's), from git; skipped where git cannot give it."""
+    """fora_plugin before this step (a buffer per bucket), from git; skipped where git cannot give it."""
     from capture_check import package_at
 
     from fora_plugin import __version__  # noqa: F401  (the installed package first: the old one imports beside it)
@@ -1018,7 +1018,7 @@ def previous_package():
 @pytest.mark.parametrize("implementation", ["per_matrix", "staged"])
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "experts", "fora"])
 def test_each_implementation_equals_the_previous_step(kind, implementation, previous_package):
-    """Issue 35: every new path equals the step it replaces to 1e-6 (fp32) over the same 20 steps."""
+    """Every new path equals the step it replaces to 1e-6 (fp32) over the same 20 steps."""
     from capture_check import differences, run
 
     before = run(kind, torch.device("cpu"), package=previous_package)

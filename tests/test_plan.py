@@ -20,7 +20,6 @@ except ImportError:
 from fora_plugin import cli as cli_module
 from fora_plugin import plan as plan_module
 from fora_plugin.cli import main
-from fora_plugin.memory import LiveTensorTracker, flop_formulas
 from fora_plugin.plan import (
     BUNDLED_MODEL_CONFIGS,
     MODEL_CONFIGS,
@@ -32,6 +31,7 @@ from fora_plugin.plan import (
     truncated_config,
 )
 from fora_plugin.plan import depth as depth_module
+from fora_plugin.plan.memory import LiveTensorTracker, flop_formulas
 from fora_plugin.wiring import set_input_cast
 
 

@@ -23,9 +23,10 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 from trl import get_quantization_config  # noqa: E402
 
 from fora_plugin import FoRAConfig, FoRASFTTrainer, stiefel_parameters  # noqa: E402
-from fora_plugin.cli import parse_config  # noqa: E402
-from fora_plugin.fisher import find_decoder_layers, fisher_scores  # noqa: E402
+from fora_plugin.fisher import fisher_scores  # noqa: E402
+from fora_plugin.recipe import parse_config  # noqa: E402
 from fora_plugin.stiefel import orthogonality_error  # noqa: E402
+from fora_plugin.targets import find_decoder_layers  # noqa: E402
 
 
 VOCAB = 99  # the character tokenizer's size

@@ -1,5 +1,6 @@
 """Adapter diagnostics against hand computations and the paper's Lemma."""
 
+import json
 import math
 import re
 
@@ -10,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 
 from fora_plugin import make_stiefel
 from fora_plugin.diagnostics import delta_w_singular_values, effective_rank
-from fora_plugin.report import adapter_report, kl_to_base, markdown_summary, plot_spectra
+from fora_plugin.report import adapter_report, check_adapter_folder, kl_to_base, markdown_summary, plot_spectra
 from fora_plugin.stiefel import random_stiefel
 
 
@@ -182,9 +183,13 @@ def test_report_refuses_a_selection_of_other_layers_than_the_adapters(saved_adap
     import json
 
     adapter_dir, _ = saved_adapter
-    (adapter_dir / "fora_scores.json").write_text(json.dumps({"chosen_layers": [1, 2], "scores": None}))
+    (adapter_dir / "fora_scores.json").write_text(
+        json.dumps({"chosen_layers": [1, 2], "num_layers": 4, "scores": None})
+    )
     assert adapter_report(adapter_dir)["fora_scores"]["chosen_layers"] == [1, 2]
-    (adapter_dir / "fora_scores.json").write_text(json.dumps({"chosen_layers": [0, 3], "scores": None}))
+    (adapter_dir / "fora_scores.json").write_text(
+        json.dumps({"chosen_layers": [0, 3], "num_layers": 4, "scores": None})
+    )
     with pytest.raises(
         ValueError, match=r"says layers \[0, 3\] were chosen, but the adapter .* is on layers \[1, 2\]"
     ):
@@ -199,3 +204,22 @@ def test_report_refuses_a_config_whose_r_is_not_the_weights(saved_adapter):
     (adapter_dir / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
     with pytest.raises(ValueError, match=r"r=8 is invalid: the weights of 10 modules have another rank .*rank 4"):
         adapter_report(adapter_dir)
+
+
+def _adapter(folder, **lora):
+    get_peft_model(tiny_llama(2), LoraConfig(target_modules=["q_proj", "v_proj"], **lora)).save_pretrained(folder)
+    return folder
+
+
+def test_adapter_config_must_match_the_weights_ranks(tmp_path):
+    plain = _adapter(tmp_path / "plain", r=4)
+    assert check_adapter_folder(plain, "adapter")["r"] == 4
+    patterned = _adapter(tmp_path / "patterned", r=4, rank_pattern={"v_proj": 2})
+    check_adapter_folder(patterned, "adapter")  # rank_pattern's ranks are the config's too
+    config = json.loads((plain / "adapter_config.json").read_text())
+    (plain / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
+    with pytest.raises(ValueError, match=r"adapter adapter_config\.json r=8 is invalid: the weights of 4 modules"):
+        check_adapter_folder(plain, "adapter")
+    (plain / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 0}))
+    with pytest.raises(ValueError, match=r"lora_alpha=0 is invalid"):
+        check_adapter_folder(plain, "adapter")

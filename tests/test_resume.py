@@ -99,7 +99,8 @@ def test_the_selection_is_saved_where_hf_saves_the_checkpoint(
     # node 1 (no shared filesystem) stopped with "No FoRA selection at .../checkpoint-500/fora_scores.json".
     from transformers import TrainerState, TrainingArguments
 
-    from fora_plugin.wiring import SCORES_FILE, FoRASelection, SaveSelectionCallback
+    from fora_plugin.selection import SCORES_FILE, FoRASelection
+    from fora_plugin.wiring import SaveSelectionCallback
 
     args = TrainingArguments(output_dir=str(tmp_path), save_on_each_node=save_on_each_node, use_cpu=True)
     monkeypatch.setattr(TrainingArguments, "process_index", property(lambda self: process_index))

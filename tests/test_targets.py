@@ -1,16 +1,23 @@
+"""fora_plugin.targets: PEFT's target-name matching, decoder layers and their indices, and the target names a user
+gives checked against the model (on the meta device) before it loads."""
+
 import pytest
 import torch
+from conftest import EXPERT_PARAMETERS, TARGETS, tiny_moe
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from fora_plugin.errors import FoRAInputError
 from fora_plugin.targets import (
     base_name,
+    check_target_modules,
+    check_target_parameters,
     find_decoder_layers,
     is_linear_like,
     layer_index,
     matches_target,
     module_names,
+    target_names,
 )
 
 
@@ -80,3 +87,38 @@ def test_targets_peft_renames_to_experts_a_model_without_them_does_not_have_are_
     check_target_modules(config, ["q_proj", "v_proj"], key="lora_target_modules")
     with pytest.raises(FoRAInputError, match=r"PEFT renames \['gate_proj', 'up_proj'\] for every 'qwen3_moe' model"):
         check_target_modules(config, ["q_proj", "gate_proj", "up_proj"], key="lora_target_modules")
+
+
+def test_target_modules_are_checked_against_the_model_on_the_meta_device(model_dir):
+    check_target_modules(str(model_dir), TARGETS, key="lora_target_modules")
+    check_target_modules(str(model_dir), ["self_attn.q_proj", "lm_head"], key="lora_target_modules")
+    check_target_modules(str(model_dir), "all-linear", key="lora_target_modules")  # PEFT's own rule
+    check_target_modules("org/hub-model", ["anything"], key="lora_target_modules")  # not checkable offline
+    with pytest.raises(ValueError, match=r"no module named \['qproj'\].*For 'qproj', did you mean q_proj\?"):
+        check_target_modules(str(model_dir), ["qproj"], key="lora_target_modules")
+    with pytest.raises(ValueError, match=r"`--lora_target_modules q_proj v_proj` on the command line"):
+        check_target_modules(str(model_dir), ["q_proj,v_proj"], key="lora_target_modules")
+    with pytest.raises(ValueError, match=r"`lora_target_modules: \[q_proj, v_proj, k_proj\]`"):
+        check_target_modules(str(model_dir), ["q_proj v_proj", "k_proj"], key="lora_target_modules")
+
+
+def test_target_parameters_are_checked_against_the_models_parameters(tmp_path):
+    tiny_moe(2).save_pretrained(tmp_path)
+    check_target_parameters(str(tmp_path), EXPERT_PARAMETERS, key="lora_target_parameters")
+    with pytest.raises(ValueError, match=r"no parameter named \['mlp.experts.gate_proj'\] \(its fused expert par"):
+        check_target_parameters(str(tmp_path), ["mlp.experts.gate_proj"], key="lora_target_parameters")
+
+
+def test_one_target_name_given_alone_is_a_list_of_one():
+    """TRL's ModelConfig turns `[q_proj]` into "q_proj", which PEFT reads as a regex of a whole module name."""
+    assert target_names("q_proj") == ["q_proj"] and target_names("model.layers.0.mlp") == ["model.layers.0.mlp"]
+    assert target_names("all-linear") == "all-linear" and target_names(r".*\.q_proj") == r".*\.q_proj"
+    assert target_names(["q_proj"]) == ["q_proj"] and target_names(None) is None
+
+
+def test_fused_moe_targets_are_accepted_whole_and_refused_in_part():
+    config = tiny_moe(2, num_experts=2).config
+    for whole in (["q_proj", "gate_proj", "up_proj", "down_proj"], ["down_proj"], ["mlp.gate"]):
+        check_target_modules(config, whole, key="lora_target_modules")  # what PEFT converts to target_parameters
+    with pytest.raises(ValueError, match=r"gate_proj and up_proj are one parameter, gate_up_proj, so gate_proj"):
+        check_target_modules(config, ["gate_proj"], key="lora_target_modules")

@@ -1,20 +1,21 @@
 """FoRASFTTrainer on a tiny Llama with a character tokenizer and prompt/completion data."""
 
-import copy
 import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import TARGETS, char_tokenizer, tiny_llama
+from conftest import TARGETS, char_tokenizer, readme_code, tiny_llama, tiny_llama_config
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
 from trl import SFTConfig, SFTTrainer
 
-import fora_plugin.trainer as trainer_module
+import fora_plugin.training as training_module
 from fora_plugin import FoRAConfig, FoRASFTTrainer, stiefel_parameters
 from fora_plugin.fisher import fisher_scores
 from fora_plugin.stiefel import orthogonality_error
@@ -160,7 +161,7 @@ def test_resume_reuses_the_selection_and_the_optimizer_state(tmp_path, monkeypat
     def no_scoring(*args, **kwargs):
         raise AssertionError("a resumed run must not score again")
 
-    monkeypatch.setattr(trainer_module, "fisher_scores", no_scoring)
+    monkeypatch.setattr(training_module, "fisher_scores", no_scoring)
     resumed = make_trainer(
         tmp_path / "full",
         config,
@@ -188,14 +189,14 @@ def test_resume_reuses_the_selection_and_the_optimizer_state(tmp_path, monkeypat
 
 def test_scores_path_reuses_an_earlier_scoring(trained, tmp_path, monkeypatch):
     earlier, trainer = trained
-    monkeypatch.setattr(trainer_module, "fisher_scores", lambda *a, **k: pytest.fail("scored again"))
+    monkeypatch.setattr(training_module, "fisher_scores", lambda *a, **k: pytest.fail("scored again"))
     reused = make_trainer(tmp_path, FoRAConfig(scores_path=str(earlier / "out" / "fora_scores.json")))
     assert reused.fora_selection.chosen == trainer.fora_selection.chosen
 
 
 @pytest.mark.parametrize(("strategy", "expected"), [("first", [0, 1]), ("last", [2, 3])])
 def test_control_strategies_skip_scoring(tmp_path, monkeypatch, strategy, expected):
-    monkeypatch.setattr(trainer_module, "fisher_scores", lambda *a, **k: pytest.fail("scored"))
+    monkeypatch.setattr(training_module, "fisher_scores", lambda *a, **k: pytest.fail("scored"))
     trainer = make_trainer(tmp_path, FoRAConfig(layer_strategy=strategy))
     assert trainer.fora_selection.chosen == expected == sorted(adapted_layers(trainer.model))
 
@@ -259,91 +260,6 @@ def test_bad_inputs_fail_loudly_with_the_value(tmp_path):
         make_trainer(tmp_path, optim="sgd")
     with pytest.warns(UserWarning, match=r"fisher_batches=50 but only 9 batches"):
         make_trainer(tmp_path, FoRAConfig(fisher_batches=50))
-
-
-# ------------------------------------------------------------------------------------ scoring runs like training
-class LayerProbe:
-    """Records every forward of a module inside a decoder layer: autocast on, its dtype, and how many times it ran.
-
-    Under activation checkpointing the inside of a layer runs twice per batch (the forward, then its recompute in the
-    backward); hooks on the layer itself stay outside the checkpoint.
-    """
-
-    def __init__(self, module: torch.nn.Module, device_type: str = "cpu") -> None:
-        self.calls: list[tuple[bool, torch.dtype | None]] = []
-        self.device_type = device_type
-        module.register_forward_pre_hook(self.record)
-
-    def record(self, module, args) -> None:
-        autocast = torch.is_autocast_enabled(self.device_type)
-        self.calls.append((autocast, torch.get_autocast_dtype(self.device_type) if autocast else None))
-
-    def take(self) -> list[tuple[bool, torch.dtype | None]]:
-        calls, self.calls = self.calls, []
-        return calls
-
-
-def probe_scoring_and_training(tmp_path, device_type: str = "cpu", **sft_kwargs):
-    """(trainer, layer-0 MLP states while scoring 3 batches, the same while training 2 steps)."""
-    model = tiny_llama(LAYERS, vocab_size=VOCAB)  # stored in fp32: bf16/fp16 comes from the autocast only
-    probe = LayerProbe(model.model.layers[0].mlp, device_type=device_type)
-    trainer = FoRASFTTrainer(
-        model,
-        sft_args(tmp_path, max_steps=2, **sft_kwargs),
-        train_dataset=sums_dataset(),
-        processing_class=char_tokenizer(),
-        peft_config=lora_config(),
-        fora_config=FoRAConfig(fisher_batches=3),
-    )
-    scoring = probe.take()
-    trainer.train()
-    return trainer, scoring, probe.take()
-
-
-@pytest.mark.parametrize(("checkpointing", "bf16"), [(True, True), (False, False)])
-def test_scoring_runs_with_the_checkpointing_and_autocast_of_a_training_step(tmp_path, checkpointing, bf16):
-    trainer, scoring, training = probe_scoring_and_training(tmp_path, gradient_checkpointing=checkpointing, bf16=bf16)
-    runs_per_batch = 2 if checkpointing else 1
-    # Scoring needs every layer's gradient; training recomputes layer 0 only if LoRA is on it (the backward stops at
-    # the lowest adapted layer, tests/test_backward.py).
-    training_runs = runs_per_batch if trainer.fora_selection.chosen[0] == 0 else 1
-    assert len(scoring) == 3 * runs_per_batch and len(training) == 2 * training_runs
-    expected = (True, torch.bfloat16) if bf16 else (False, None)
-    assert set(scoring) == set(training) == {expected}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize(("precision", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
-def test_on_cuda_scoring_runs_with_the_checkpointing_and_autocast_of_a_training_step(tmp_path, precision, dtype):
-    trainer, scoring, training = probe_scoring_and_training(
-        tmp_path, "cuda", use_cpu=False, gradient_checkpointing=True, **{precision: True}
-    )
-    assert len(scoring) == 3 * 2 and len(training) == 2 * 2  # forward + recompute per batch
-    assert set(scoring) == set(training) == {(True, dtype)}
-    scores = trainer.fora_selection.scores
-    assert all(s > 0 for s in scores.scores)
-    assert scores.extra.get("loss_scale") == (2.0**16 if precision == "fp16" else None)
-
-
-def test_fp16_scores_are_loss_scaled_to_the_fp32_scores(tmp_path):
-    # A small lm_head makes every gradient tiny (~1e-9 squared per layer): fp16 flushes many of them to zero.
-    fp32 = tiny_llama(LAYERS, vocab_size=VOCAB)
-    with torch.no_grad():
-        fp32.lm_head.weight.mul_(1e-4)
-    trainer = FoRASFTTrainer(
-        copy.deepcopy(fp32).half(),
-        sft_args(tmp_path, train_sampling_strategy="sequential"),
-        train_dataset=sums_dataset(),
-        processing_class=char_tokenizer(),
-        peft_config=lora_config(),
-        fora_config=FoRAConfig(fisher_batches=2),
-    )
-    batches = list(trainer.get_train_dataloader())[:2]
-    # The reference: the same fp16-rounded weights, scored in fp32.
-    reference = fisher_scores(copy.deepcopy(fp32).half().float(), batches, 2, progress=False).scores
-    assert trainer.fora_selection.scores.scores == pytest.approx(reference, rel=2e-2)
-    assert trainer.fora_selection.scores.extra["loss_scale"] == 2.0**16
 
 
 # ----------------------------------------------------------------------------------- settings refused up front
@@ -426,3 +342,34 @@ def test_a_diverging_run_warns_once_with_the_step_and_the_fix(tmp_path, caplog):
 def test_a_scheduler_that_breaks_the_lr_ratio_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"lr_scheduler_type='greedy' cannot be used with FoRA"):
         make_trainer(tmp_path, lr_scheduler_type="greedy", eval_strategy="steps", eval_steps=2)
+
+
+@pytest.mark.slow
+def test_the_readmes_trl_snippet_runs_as_written_but_for_the_model_and_the_step_counts(tmp_path, monkeypatch):
+    """The README's TRL snippet, run as written but for its model (a tiny Llama and the character tokenizer) and its
+    counts (2 training steps, 2 scoring batches: 500 and 128 would take an hour on a CPU)."""
+    code = readme_code("python", "FoRASFTTrainer(")
+    for written in ('"path/to/model"', "max_steps=500", "fisher_batches=128"):
+        assert code.count(written) == 1, written
+    model_dir = tmp_path / "model"
+    # 2 key/value heads of 16: k_proj and v_proj have the 32 outputs that the snippet's r = 32 Stiefel columns need.
+    LlamaForCausalLM(tiny_llama_config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128)).save_pretrained(
+        model_dir
+    )
+    char_tokenizer().save_pretrained(model_dir)
+    code = code.replace('"path/to/model"', repr(str(model_dir)))
+    code = code.replace("max_steps=500", "max_steps=2").replace("fisher_batches=128", "fisher_batches=2")
+    if not torch.cuda.is_available():  # as the snippet's comment says: TRL's default bf16 needs a GPU otherwise
+        code = code.replace("SFTConfig(", "SFTConfig(use_cpu=True, ")
+    monkeypatch.chdir(tmp_path)  # its relative paths: the bundled data it reads, the `out` folder it writes
+    (tmp_path / "example_configs").symlink_to(Path(__file__).resolve().parents[1] / "example_configs")
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 (the README's own code)
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step == 2 and len(trainer.fora_selection.chosen) == 2  # K = 0.5 of 4 layers
+    assert trainer.fora_selection.scores.num_batches == 2 and trainer.fora_config.lr_stiefel == 1e-3
+    saved = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert {int(key.split(".layers.")[1].split(".")[0]) for key in saved} == set(trainer.fora_selection.chosen)
+    assert json.loads((tmp_path / "out" / "fora_scores.json").read_text())["chosen_layers"] == (
+        trainer.fora_selection.chosen
+    )

@@ -1,28 +1,14 @@
-"""The up-front checks of fora_plugin.validation: each accepts the edge of its range and refuses just past it."""
+"""fora_plugin.validation: each number rule accepts the edge of its range and refuses just past it; a config block
+refuses unknown keys with the closest known one."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 
 import pytest
-from conftest import EXPERT_PARAMETERS, TARGETS, char_tokenizer, tiny_llama, tiny_moe
 
-from fora_plugin.targets import check_target_modules, check_target_parameters, target_names
-from fora_plugin.validation import (
-    NUMBER_RULES,
-    check_adapter_folder,
-    check_block,
-    check_checkpoint,
-    check_completions,
-    check_number,
-    check_output_folder,
-    check_selection_matches_adapter,
-    json_error_position,
-    suggestion,
-)
+from fora_plugin.validation import NUMBER_RULES, check_block, check_number, suggestion
 
 
 # key -> (values accepted at the edge of the range, values refused just past it or of the wrong kind)
@@ -81,136 +67,6 @@ def test_each_number_rule_accepts_its_range_and_refuses_past_it_by_name(key):
     for value in refused:
         with pytest.raises(ValueError, match="^" + re.escape(f"{key}={value!r} is invalid: ")):
             check_number(key, value)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("model")
-    tiny_llama(2).save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder
-
-
-def test_target_modules_are_checked_against_the_model_on_the_meta_device(model_dir):
-    check_target_modules(str(model_dir), TARGETS, key="lora_target_modules")
-    check_target_modules(str(model_dir), ["self_attn.q_proj", "lm_head"], key="lora_target_modules")
-    check_target_modules(str(model_dir), "all-linear", key="lora_target_modules")  # PEFT's own rule
-    check_target_modules("org/hub-model", ["anything"], key="lora_target_modules")  # not checkable offline
-    with pytest.raises(ValueError, match=r"no module named \['qproj'\].*For 'qproj', did you mean q_proj\?"):
-        check_target_modules(str(model_dir), ["qproj"], key="lora_target_modules")
-    with pytest.raises(ValueError, match=r"`--lora_target_modules q_proj v_proj` on the command line"):
-        check_target_modules(str(model_dir), ["q_proj,v_proj"], key="lora_target_modules")
-    with pytest.raises(ValueError, match=r"`lora_target_modules: \[q_proj, v_proj, k_proj\]`"):
-        check_target_modules(str(model_dir), ["q_proj v_proj", "k_proj"], key="lora_target_modules")
-
-
-def test_output_folder_is_tried_not_guessed(tmp_path):
-    check_output_folder(tmp_path / "new" / "deeper", "output_dir")
-    assert not (tmp_path / "new").exists()  # checking creates nothing
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(ValueError, match=r"output_dir='.*file' is a file"):
-        check_output_folder(tmp_path / "file", "output_dir")
-    with pytest.raises(ValueError, match=r"no folder can be made under it"):
-        check_output_folder(tmp_path / "file" / "out", "output_dir")
-    if os.geteuid() != 0:  # root writes through permission bits
-        locked = tmp_path / "locked"
-        locked.mkdir(mode=0o555)
-        with pytest.raises(ValueError, match=r"is not writable"):
-            check_output_folder(locked / "out", "output_dir")
-    with pytest.raises(ValueError, match=r"/proc is not writable"):
-        check_output_folder("/proc/fora-out", "output_dir")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] + (["locked"] if os.geteuid() != 0 else [])
-
-
-def test_checkpoint_is_a_folder_with_trainer_state(tmp_path):
-    check_checkpoint(None, str(tmp_path))
-    check_checkpoint("false", str(tmp_path))
-    with pytest.raises(ValueError, match=r"resume_from_checkpoint=True but output_dir .* holds no checkpoint"):
-        check_checkpoint("true", str(tmp_path))
-    run = tmp_path / "run"
-    (run / "checkpoint-4").mkdir(parents=True)
-    (run / "checkpoint-4" / "trainer_state.json").write_text("{}")
-    (run / "adapter_config.json").write_text("{}")
-    check_checkpoint(True, str(run))
-    check_checkpoint(str(run / "checkpoint-4"), str(tmp_path))
-    with pytest.raises(ValueError, match=r"it is a saved adapter, not a checkpoint.*Resume from .*checkpoint-4"):
-        check_checkpoint(str(run), str(tmp_path))
-    with pytest.raises(ValueError, match=r"no such folder"):
-        check_checkpoint(str(tmp_path / "nope"), str(tmp_path))
-
-
-def _adapter(folder, **lora):
-    from peft import LoraConfig, get_peft_model
-
-    get_peft_model(tiny_llama(2), LoraConfig(target_modules=["q_proj", "v_proj"], **lora)).save_pretrained(folder)
-    return folder
-
-
-def test_adapter_config_must_match_the_weights_ranks(tmp_path):
-    plain = _adapter(tmp_path / "plain", r=4)
-    assert check_adapter_folder(plain, "adapter")["r"] == 4
-    patterned = _adapter(tmp_path / "patterned", r=4, rank_pattern={"v_proj": 2})
-    check_adapter_folder(patterned, "adapter")  # rank_pattern's ranks are the config's too
-    config = json.loads((plain / "adapter_config.json").read_text())
-    (plain / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
-    with pytest.raises(ValueError, match=r"adapter adapter_config\.json r=8 is invalid: the weights of 4 modules"):
-        check_adapter_folder(plain, "adapter")
-    (plain / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 0}))
-    with pytest.raises(ValueError, match=r"lora_alpha=0 is invalid"):
-        check_adapter_folder(plain, "adapter")
-
-
-def test_selection_must_be_the_adapters_layers(tmp_path):
-    file = tmp_path / "fora_scores.json"
-    check_selection_matches_adapter(file, [0, 1])  # no selection file: nothing to compare
-    file.write_text(json.dumps({"chosen_layers": [1, 0]}))
-    check_selection_matches_adapter(file, [0, 1])
-    with pytest.raises(ValueError, match=r"says layers \[0, 1\] were chosen, but the adapter .* is on layers \[2\]"):
-        check_selection_matches_adapter(file, [2])
-
-
-def test_completions_all_empty_refused_some_empty_warned():
-    from datasets import Dataset
-
-    with pytest.raises(ValueError, match=r"all 2 rows have an empty 'completion'"):
-        check_completions(Dataset.from_list([{"prompt": "a", "completion": ""}] * 2), "d.json")
-    with pytest.warns(UserWarning, match=r"1 of 2 rows have an empty 'text'"):
-        check_completions(Dataset.from_list([{"text": "a"}, {"text": "  "}]), "d.json")
-    messages = [{"role": "user", "content": "hi"}]
-    check_completions(
-        Dataset.from_list([{"prompt": messages, "completion": [{"role": "assistant", "content": "x"}]}]), "d"
-    )
-
-
-def test_target_parameters_are_checked_against_the_models_parameters(tmp_path):
-    tiny_moe(2).save_pretrained(tmp_path)
-    check_target_parameters(str(tmp_path), EXPERT_PARAMETERS, key="lora_target_parameters")
-    with pytest.raises(ValueError, match=r"no parameter named \['mlp.experts.gate_proj'\] \(its fused expert par"):
-        check_target_parameters(str(tmp_path), ["mlp.experts.gate_proj"], key="lora_target_parameters")
-
-
-def test_one_target_name_given_alone_is_a_list_of_one():
-    """TRL's ModelConfig turns `[q_proj]` into "q_proj", which PEFT reads as a regex of a whole module name."""
-    assert target_names("q_proj") == ["q_proj"] and target_names("model.layers.0.mlp") == ["model.layers.0.mlp"]
-    assert target_names("all-linear") == "all-linear" and target_names(r".*\.q_proj") == r".*\.q_proj"
-    assert target_names(["q_proj"]) == ["q_proj"] and target_names(None) is None
-
-
-def test_fused_moe_targets_are_accepted_whole_and_refused_in_part():
-    config = tiny_moe(2, num_experts=2).config
-    for whole in (["q_proj", "gate_proj", "up_proj", "down_proj"], ["down_proj"], ["mlp.gate"]):
-        check_target_modules(config, whole, key="lora_target_modules")  # what PEFT converts to target_parameters
-    with pytest.raises(ValueError, match=r"gate_proj and up_proj are one parameter, gate_up_proj, so gate_proj"):
-        check_target_modules(config, ["gate_proj"], key="lora_target_modules")
-
-
-def test_json_errors_say_where_once():
-    with pytest.raises(json.JSONDecodeError) as info:
-        json.loads('{"a": "b')
-    assert json_error_position(info.value) == "Unterminated string starting at line 1, column 7"
-    with pytest.raises(json.JSONDecodeError) as info:
-        json.loads('{"a": 1,\n "b" 2}')
-    assert json_error_position(info.value, first_line=5) == "Expecting ':' delimiter at line 6, column 6"
 
 
 def test_a_block_refuses_unknown_keys_with_the_closest_and_strings_for_lists():

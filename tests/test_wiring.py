@@ -8,7 +8,8 @@ from peft.tuners import tuners_utils
 
 from fora_plugin import FoRAConfig
 from fora_plugin.fisher import fisher_scores
-from fora_plugin.wiring import FoRASelection, readapt_lora, set_input_cast
+from fora_plugin.selection import FoRASelection
+from fora_plugin.wiring import readapt_lora, set_input_cast
 
 
 TOKENS = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))

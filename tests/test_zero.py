@@ -58,8 +58,8 @@ def torchrun(script: Path | str, *args: str, nproc: int = 2, timeout: int = 1200
             cwd=HERE.parent,
         )
         # A gloo process can abort at interpreter exit, after destroy_process_group, with a C++ thread still
-        # joinable: once in a full suite on this 2-core machine (tests/distributed/fsdp_engine.py, issue 26's
-        # review), never in 4 runs of its test alone. That one signature is run once more; anything else fails.
+        # joinable: once in a full suite on this 2-core machine (tests/distributed/fsdp_engine.py), never in 4
+        # runs of its test alone. That one signature is run once more; anything else fails.
         if result.returncode == 0 or "terminate called without an active exception" not in result.stderr:
             break
     if result.returncode != 0:
@@ -495,7 +495,8 @@ def test_a_log_reads_the_zero_clients_gradient_norm_once():
     # Seen before: twice (a host sync each), so a log under DeepSpeed made three host reads where one is the aim.
     from host_sync import HostSyncCounter
 
-    from fora_plugin.wiring import FoRALogs, FoRASelection
+    from fora_plugin.selection import FoRASelection
+    from fora_plugin.wiring import FoRALogs
 
     model = small_model()
     optimizer = build_zero_fora_optimizer(model, lr=1e-2, lr_stiefel=5e-2, max_grad_norm=0.05, fused=True)

@@ -1,6 +1,6 @@
 """FoRA as an Axolotl plugin: ``plugins: [fora_plugin.axolotl.FoRAPlugin]`` plus ``fora_*`` keys.
 
-May import: axolotl.args, compatibility, config, errors, models, trainer, wiring.
+May import: axolotl.args, checkpoints, compatibility, config, errors, models, training, wiring.
 """
 
 import functools
@@ -15,11 +15,12 @@ from axolotl.utils.train import determine_last_checkpoint
 from peft import PeftModel
 from transformers import Trainer
 
+from ..checkpoints import check_checkpoint_files
 from ..compatibility import check_cuda_graph, check_liger
 from ..config import PREFIX, FoRAConfig
 from ..errors import FoRAInputError, FoRAInputTypeError
 from ..models import resolve_model_path
-from ..trainer import check_checkpoint_files, fora_optimizer, prepare_fora_training, score_on_trainer
+from ..training import fora_optimizer, prepare_fora_training, score_on_trainer
 from ..wiring import FoRALogs, active_lora_config, set_input_cast
 from .args import LORA_KERNELS, PLUGIN_NAME, FoRAArgs, fora_config_from, fora_enabled
 
@@ -53,8 +54,8 @@ class FoRAPlugin(BasePlugin):
     entry point name) cannot load, and the run stops with one line that names ``fora_plugin.axolotl.FoRAPlugin``
     (:class:`_ShortPluginName`).
 
-    Every step is a function that ``FoRASFTTrainer`` calls too (:mod:`fora_plugin.wiring`,
-    :mod:`fora_plugin.trainer`), so both give the same layers, adapters, optimizer, logs and
+    Every step is a function that ``FoRASFTTrainer`` calls too (:mod:`fora_plugin.training`,
+    :mod:`fora_plugin.wiring`), so both give the same layers, adapters, optimizer, logs and
     ``fora_scores.json``/``.png``.
 
     Every hook first checks that the YAML lists the plugin: an installed plugin is registered by its entry point

@@ -4,7 +4,7 @@
 checked by the same code as ``FoRASFTTrainer``'s, and, when the YAML enables the plugin, refuses the Axolotl settings
 FoRA cannot be right with yet.
 
-May import: compatibility, config, errors, fsdp, optim, targets, validation, zero.
+May import: compatibility, config, errors, files, fsdp, optim, targets, validation, zero.
 """
 
 import dataclasses
@@ -25,19 +25,34 @@ from ..compatibility import (
 )
 from ..config import PREFIX, FoRAConfig
 from ..errors import FoRAInputError
+from ..files import check_file, check_output_folder
 from ..fsdp import check_weights_on_every_rank
 from ..optim import check_lr_scheduler_type
 from ..targets import check_target_modules
-from ..validation import AXOLOTL_KEYS, check_file, check_numbers, check_output_folder
+from ..validation import LORA_KEYS, OPTIMIZER_KEYS, check_numbers
 from ..zero import check_deepspeed_config, load_deepspeed_config
 
 
-__all__ = ["LORA_KERNELS", "PLUGIN_NAME", "FoRAArgs", "fora_config_from", "fora_enabled"]
+__all__ = ["AXOLOTL_KEYS", "LORA_KERNELS", "PLUGIN_NAME", "FoRAArgs", "fora_config_from", "fora_enabled"]
 
 
 PLUGIN_NAME = "fora_plugin.axolotl.FoRAPlugin"
 # Axolotl's fused LoRA kernels return no gradient for the frozen base weights, which the Fisher score is made of.
 LORA_KERNELS = ("lora_qkv_kernel", "lora_o_kernel", "lora_mlp_kernel")
+# The number keys of an Axolotl YAML (their rules: validation.NUMBER_RULES), checked when it enables the plugin
+# (unset = None = Axolotl's default).
+AXOLOTL_KEYS = LORA_KEYS + (
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "sequence_len",
+    "num_epochs",
+    "max_steps",
+    *OPTIMIZER_KEYS,
+    "logging_steps",
+    "save_steps",
+    "eval_steps",
+    "seed",
+)
 _FIELDS = [f.name for f in dataclasses.fields(FoRAConfig)]
 # FoRAConfig's messages name its fields ("layer_budget=2.0 is ..."); in a YAML they are the fora_ keys.
 _FIELD_NAMES = re.compile(rf"(?<![\w.])({'|'.join(_FIELDS)})\b")

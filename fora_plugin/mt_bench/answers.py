@@ -1,7 +1,7 @@
 """MT-Bench answers of the model under test: two turns per question, each appended to FastChat's
 ``model_answer/<model_id>.jsonl`` as it is made, so an interrupted run answers only what is missing.
 
-May import: errors, validation, evaluation, mt_bench.config, mt_bench.questions, mt_bench.cache.
+May import: errors, files, evaluation, mt_bench.config, mt_bench.questions, mt_bench.cache.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from ..errors import FoRAInputError
 from ..evaluation import mt_bench_answers
-from ..validation import check_text_file
+from ..files import check_text_file
 from .cache import append_jsonl
 from .config import CHAT_TEMPLATES, MTBenchConfig, flag
 from .questions import load_answers

@@ -4,7 +4,7 @@ The formats are FastChat's (``question.jsonl``, ``model_answer/<model_id>.jsonl`
 questions, GPT-4 reference answers and judge prompts ship in ``fora_plugin/data/mt_bench`` (Apache-2.0, see NOTICE).
 A malformed file is refused naming the file and the line.
 
-May import: errors, validation.
+May import: errors, files.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FoRAInputError, refuse
-from ..validation import check_text_file, read_json
+from ..files import check_text_file, read_json
 
 
 __all__ = [

@@ -33,6 +33,7 @@ __all__ = [
     "MasterAdamW",
     "build_fora_optimizer",
     "check_lr_scheduler_type",
+    "create_fora_optimizer",
     "fora_optimizer_parts",
     "restore_master_state",
     "wrapped_optimizers",
@@ -373,6 +374,57 @@ def build_fora_optimizer(model: nn.Module, *args: Any, **kwargs: Any) -> FoRAOpt
     """The single FoRA optimizer for ``model``'s trainable parameters; arguments as :func:`fora_optimizer_parts`."""
     groups, adamw_defaults, stiefel_defaults = fora_optimizer_parts(model, *args, **kwargs)
     return FoRAOptimizer(groups, adamw_defaults=adamw_defaults, stiefel_defaults=stiefel_defaults)
+
+
+def create_fora_optimizer(
+    model: nn.Module,
+    *,
+    lr: float,
+    lr_stiefel: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    stiefel_betas: tuple[float, float] = (0.9, 0.99),
+    stiefel_eps: float = 1e-8,
+    qr_period: int = 200,
+    reproject_threshold: float = REPROJECT_THRESHOLD,
+    cayley_solver: str = "exact",
+    cayley_iters: int = 5,
+    cuda_graph: bool | None = None,
+    stiefel_params: Collection[torch.Tensor] | None = None,
+    decay_parameter_names: Collection[str] | None = None,
+    master_weights: bool = False,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+) -> FoRAOptimizer:
+    """FoRA's optimizer for ``model``, every setting an explicit keyword (PEFT's ``create_loraplus_optimizer`` form).
+
+    ``lr`` steps lora_A and every other trainable parameter by AdamW (``weight_decay``, ``betas``, ``eps``;
+    ``foreach``/``fused`` as torch's), ``lr_stiefel`` the Stiefel ``lora_B`` (:func:`fora_plugin.make_stiefel`) by
+    Cayley-Adam (``stiefel_betas``, ``stiefel_eps``; QR every ``qr_period`` steps and past ``reproject_threshold``;
+    ``cayley_solver``/``cayley_iters``; ``cuda_graph``). The groups, ``stiefel_params``, ``decay_parameter_names``
+    and ``master_weights`` are :func:`fora_optimizer_parts`'s; :func:`build_fora_optimizer` takes the same settings.
+    """
+    return build_fora_optimizer(
+        model,
+        lr=lr,
+        lr_stiefel=lr_stiefel,
+        weight_decay=weight_decay,
+        betas=betas,
+        eps=eps,
+        stiefel_betas=stiefel_betas,
+        stiefel_eps=stiefel_eps,
+        qr_period=qr_period,
+        reproject_threshold=reproject_threshold,
+        cayley_solver=cayley_solver,
+        cayley_iters=cayley_iters,
+        cuda_graph=cuda_graph,
+        stiefel_params=stiefel_params,
+        decay_parameter_names=decay_parameter_names,
+        master_weights=master_weights,
+        foreach=foreach,
+        fused=fused,
+    )
 
 
 def wrapped_optimizers(optimizer: Any) -> Iterator[Any]:

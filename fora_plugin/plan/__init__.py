@@ -5,7 +5,7 @@ Modules, in import order: ``setup`` (the config read as `fora train` reads it, t
 (the model on fake tensors), ``kernels`` (GPU kernels' stand-ins), ``measure`` (the tracked phases), ``depth`` (depth
 extrapolation), ``shard`` (per-GPU bytes under an engine), ``output`` (verdict, table, plan.json, plot).
 
-May import: errors, plan, sharding, targets.
+May import: errors, plan, targets.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import time
 from typing import Any
 
 from ..errors import FoRAInputError
-from ..sharding import ENGINES
 from ..targets import find_decoder_layers
 from .depth import extrapolation_depths, measure_over_depth, truncated_config
+from .engine_rules import ENGINES
 from .fake_model import (
     add_sft_loss_head,
     lora_optimizer,
@@ -41,7 +41,6 @@ from .setup import (
     FourBit,
     PlanSetup,
     find_model_config,
-    load_model_config,
     plan_setup,
     planned_layers,
     planned_placement,
@@ -66,7 +65,6 @@ __all__ = [
     "format_plan",
     "fused_lm_head_as_on_cuda",
     "kinds_of",
-    "load_model_config",
     "lora_optimizer",
     "meta_model_of",
     "plan",
@@ -100,20 +98,20 @@ def run_plan(setup: PlanSetup, modes: tuple[str, ...] = MODES, *, full_depth: bo
     runs on it: one Fisher scoring batch through :func:`fora_plugin.fisher.fisher_scores` on the model as scoring holds
     it (LoRA on every target layer, adapters off), and one training step per mode (``fora``, ``fg-lora``, ``lora``):
     forward and backward with the run's checkpointing and autocast, and the optimizer step with its states (FoRA's
-    optimizer as :func:`fora_plugin.trainer.fora_optimizer` builds it, the Trainer's AdamW for ``lora``).
+    optimizer as :func:`fora_plugin.training.fora_optimizer` builds it, the Trainer's AdamW for ``lora``).
 
     A decoder stack that repeats every p layers is run at p, 2p and 3p layers and extrapolated to its L layers when
     every count lies exactly on one line (:func:`extrapolation_depths`); else, or with ``full_depth``, all L layers
     run.
 
-    A :class:`~fora_plugin.memory.LiveTensorTracker` counts live storages; its peak is broken down into weights, LoRA
-    (parameters, gradients, optimizer states), activations (what the forward left alive for the backward) and transient
-    buffers. ``torch.utils.flop_counter.FlopCounterMode`` counts FLOPs.
+    A :class:`~fora_plugin.plan.memory.LiveTensorTracker` counts live storages; its peak is broken down into weights,
+    LoRA (parameters, gradients, optimizer states), activations (what the forward left alive for the backward) and
+    transient buffers. ``torch.utils.flop_counter.FlopCounterMode`` counts FLOPs.
 
     What is modelled rather than run: a 4-bit bitsandbytes base is a bf16 linear scored and trained the way
     bitsandbytes' are (no weight gradient; fisher.py scores it from x and g), counted at its packed size (NF4 plus
     absmax constants) with one dequantized weight alive during its matmul; sharded engines (ZeRO-1/2/3, FSDP2) divide
-    what they shard by the number of GPUs, by their rules in :mod:`fora_plugin.sharding` (the output says so;
+    what they shard by the number of GPUs, by their rules in :mod:`fora_plugin.plan.engine_rules` (the output says so;
     bench/plan_fsdp2_simulation.py checks FSDP2's against ``fully_shard`` on a fake process group).
     """
     if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):

@@ -6,7 +6,7 @@ ones, answer the ``.item()`` calls of checkpointing and masking. A 4-bit bitsand
 quantized for fisher.py (scored from x and g, no weight gradient), with one dequantized weight alive during each of
 its matmuls. Also here: the pieces of a Trainer the plan's steps use (its view, batch, autocast, LoRA's AdamW).
 
-May import: backward, fisher, models, plan.setup, targets, trainer, wiring.
+May import: backward, models, plan.setup, targets, training, wiring.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from transformers import Trainer
 from trl.trainer import sft_trainer
 
 from ..backward import disable_input_require_grads, stop_backward_at_lowest_adapted_layer
-from ..fisher import mark_quantized
 from ..models import meta_model
 from ..targets import find_decoder_layers
-from ..trainer import checkpoint_as_in_training
+from ..training import checkpoint_as_in_training
 from ..wiring import choose_layers, set_input_cast
 from .setup import PlanSetup, planned_layers
 
@@ -170,7 +169,7 @@ def planned_autocast(setup: PlanSetup, device: torch.device):
 
 
 def trainer_view(setup: PlanSetup, model: nn.Module):
-    """What trainer.checkpoint_as_in_training, trainer.fora_optimizer and the backward stop use of a Trainer: its
+    """What training.checkpoint_as_in_training, training.fora_optimizer and the backward stop use of a Trainer: its
     args, decay parameter names and callbacks, for ``model``, without building a Trainer."""
 
     class View:
@@ -191,7 +190,8 @@ def trainer_view(setup: PlanSetup, model: nn.Module):
 def prepare_fake_model(
     setup: PlanSetup, model: nn.Module, fake_mode, device: torch.device, *, stop_backward: bool = False
 ) -> list[nn.Linear]:
-    """``model`` on fake tensors, checkpointed as in training; its 4-bit linears (marked so, for fisher.py) returned.
+    """``model`` on fake tensors, checkpointed as in training; its 4-bit linears returned (score them as quantized:
+    ``fisher_scores(..., quantized=...)``).
 
     ``stop_backward``: FoRA's training step, whose backward stops at the lowest adapted layer
     (:mod:`fora_plugin.backward`), where scoring and plain LoRA keep SFTTrainer's embeddings hook and run the
@@ -199,8 +199,6 @@ def prepare_fake_model(
     """
     _fakeify(model, fake_mode, device)
     linears = four_bit_linears(model) if setup.four_bit is not None else []
-    for m in linears:
-        mark_quantized(m)
     view = trainer_view(setup, model)
     checkpoint_as_in_training(view)
     if setup.checkpointing:

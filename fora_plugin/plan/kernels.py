@@ -39,7 +39,7 @@ def fused_lm_head_as_on_cuda():
     backward, by a Triton kernel, which allocates nothing, and accumulates the gradient products in fp32 by
     ``addmm(out_dtype=float32)``. Without Triton and CUDA (this host) it folds with torch ops that make several fp32
     copies of the tile, and casts both factors of each product to fp32: 3.5 and 0.9 GiB at 4,080 tokens, a 32,768-word
-    chunk and a 3,072 hidden size, absent on the GPU (its allocator's trace at the peak, issue 26). So the plan runs
+    chunk and a 3,072 hidden size, absent on the GPU (its allocator's trace at the peak, docs/gpu.md). So the plan runs
     the GPU's case: a fold that allocates nothing (fake tensors hold no values to fold) and the fp32-output product;
     the tile, the statistics and the accumulators are TRL's own tensors and counted.
     """

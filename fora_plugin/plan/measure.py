@@ -3,11 +3,12 @@
 One Fisher scoring batch through :func:`fora_plugin.fisher.fisher_scores` on the model as scoring holds it (LoRA on
 every target layer, adapters off), and one training step per mode: forward and backward with the run's
 checkpointing and autocast, and the optimizer step with its states (FoRA's optimizer as
-:func:`fora_plugin.trainer.fora_optimizer` builds it, the Trainer's AdamW for ``lora``). A
-:class:`~fora_plugin.memory.LiveTensorTracker` counts live storages, and breaks each peak into parts: weights, LoRA
-(parameters, gradients, optimizer states, the Stiefel part), activations and transient buffers.
+:func:`fora_plugin.training.fora_optimizer` builds it, the Trainer's AdamW for ``lora``). A
+:class:`~fora_plugin.plan.memory.LiveTensorTracker` counts live storages, and breaks each peak into parts: weights,
+LoRA (parameters, gradients, optimizer states, the Stiefel part), activations and transient buffers.
 
-May import: config, fisher, memory, plan.fake_model, plan.kernels, plan.setup, sharding, trainer, wiring.
+May import: config, fisher, plan.engine_rules, plan.fake_model, plan.kernels, plan.memory, plan.setup, training,
+wiring.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..config import MODE_PARTS
 from ..fisher import fisher_scores
-from ..memory import LiveTensorTracker
-from ..sharding import ENGINES
-from ..trainer import fora_optimizer
+from ..training import fora_optimizer
 from ..wiring import readapt_lora
+from .engine_rules import ENGINES
 from .fake_model import (
     dequantized_during_matmul,
     four_bit_linears,
@@ -40,6 +40,7 @@ from .fake_model import (
     wrap_lora,
 )
 from .kernels import FAKE_READBACK_ERRORS, fused_lm_head_as_on_cuda, grouped_mm_in_any_dtype
+from .memory import LiveTensorTracker
 from .setup import PlanSetup
 
 
@@ -48,8 +49,8 @@ __all__ = ["GIB", "KINDS", "LORA_PARTS", "Phase", "kinds_of", "measure"]
 GIB = 2**30
 # The kinds a peak is broken into; "lora" is LoRA parameters + their gradients + optimizer states.
 KINDS = ("weights", "lora", "activations", "transient")
-# The parts of fora_plugin.sharding.PARTS summed into "lora". "stiefel": FoRA's Stiefel lora_B gradients and everything
-# Cayley-Adam keeps for them (whole on every rank under ZeRO, row-sharded under FSDP2).
+# The parts of fora_plugin.plan.engine_rules.PARTS summed into "lora". "stiefel": FoRA's Stiefel lora_B gradients and
+# everything Cayley-Adam keeps for them (whole on every rank under ZeRO, row-sharded under FSDP2).
 LORA_PARTS = ("lora_params", "lora_grads", "optimizer_states", "stiefel")
 
 
@@ -139,6 +140,7 @@ def _scoring_phase(setup: PlanSetup, fake_mode, device: torch.device) -> Phase:
                     target_parameters=setup.lora.target_parameters if targets else None,
                     linear_grad=ENGINES[setup.engine].scoring_linear_grad,
                     autocast=lambda: planned_autocast(setup, device),
+                    quantized=linears,  # float stand-ins of 4-bit linears: scored as bitsandbytes' are
                     progress=False,
                 )
             except FAKE_READBACK_ERRORS:

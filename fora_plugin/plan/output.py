@@ -1,7 +1,7 @@
 """What `fora plan` reports: the verdict (fits, or the setting that fixes it), the table it prints, plan.json's
 content and plan.png's stacked bars.
 
-May import: plan.measure, plan.setup, plots, sharding.
+May import: plan.engine_rules, plan.measure, plan.setup, plots.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..plots import pyplot
-from ..sharding import ENGINES
+from .engine_rules import ENGINES
 from .measure import GIB, KINDS, LORA_PARTS, kinds_of
 from .setup import PlanSetup, planned_layers
 

@@ -5,7 +5,7 @@ Axolotl YAML through its `fora train` keys, checks the engine (DeepSpeed ZeRO, F
 and gathers the shapes, precision, LoRA and FoRA settings into a :class:`PlanSetup`; :func:`planned_placement` says
 which K layers fora and fg-lora are planned on.
 
-May import: config, errors, fsdp, models, recipe, selection, sharding, targets, wiring, zero.
+May import: config, errors, fsdp, models, plan.engine_rules, recipe, selection, targets, zero.
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ from ..errors import FoRAInputError
 from ..fsdp import check_fsdp, check_one_engine
 from ..models import load_model_config
 from ..recipe import load_yaml_config, parse_config
-from ..selection import check_layer_indices, resolve_layer_budget, select_layers
-from ..sharding import ENGINES
+from ..selection import check_layer_indices, load_scores, resolve_layer_budget, select_layers
 from ..targets import check_target_modules, check_target_parameters
-from ..wiring import FoRASelection
 from ..zero import check_deepspeed_config, load_deepspeed_config
+from .engine_rules import ENGINES
 
 
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
     "FourBit",
     "PlanSetup",
     "find_model_config",
-    "load_model_config",
     "plan_setup",
     "planned_layers",
     "planned_placement",
@@ -139,7 +137,7 @@ class PlanSetup:
     autocast_dtype: torch.dtype | None
     checkpointing: bool
     four_bit: FourBit | None
-    engine: str  # a key of fora_plugin.sharding.ENGINES: "single", "ddp", "zero1", "zero2", "zero3", "fsdp2"
+    engine: str  # a key of fora_plugin.plan.engine_rules.ENGINES: "single", "ddp", "zero1", "zero2", "zero3", "fsdp2"
     gpus: int
     output_dir: Path
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -353,13 +351,7 @@ def planned_placement(setup: PlanSetup, num_layers: int) -> tuple[list[int], str
     k = resolve_layer_budget(fora.layer_budget, num_layers)
     seed = fora.seed if fora.seed is not None else setup.training_args.seed
     if fora.scores_path is not None:
-        scores = FoRASelection.read(fora.scores_path).get("scores")
-        if scores is None or len(scores) != num_layers:
-            held = "no scores" if scores is None else f"scores for {len(scores)} layers"
-            raise FoRAInputError(
-                f"fora_scores_path={fora.scores_path!r} holds {held}, but this model has {num_layers} decoder "
-                "layers: give the fora_scores.json of a run on this model, or leave fora_scores_path unset."
-            )
+        scores = load_scores(fora.scores_path, num_layers, "fora_scores_path").scores
         layers = select_layers(scores, k, strategy=fora.layer_strategy, seed=seed)
         return layers, f"fora/fg-lora layers: {layers}, the top {k} of the scores in fora_scores_path"
     if fora.layer_strategy != "fisher":

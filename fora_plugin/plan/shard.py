@@ -1,8 +1,8 @@
 """Per-GPU bytes under a sharded engine: a phase measured on one unsharded GPU, read through the engine's rule in
-:mod:`fora_plugin.sharding` (what it shards, what it gathers while computing). Computed, not simulated ranks
+:mod:`fora_plugin.plan.engine_rules` (what it shards, what it gathers while computing). Computed, not simulated ranks
 (bench/plan_fsdp2_simulation.py checks FSDP2's against ``fully_shard`` on a fake process group).
 
-May import: plan.fake_model, plan.measure, plan.setup, sharding, targets.
+May import: plan.engine_rules, plan.fake_model, plan.measure, plan.setup, targets.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from ..sharding import ENGINES, GATHERED, PARTS
 from ..targets import find_decoder_layers
+from .engine_rules import ENGINES, GATHERED, PARTS
 from .fake_model import four_bit_linears, meta_model_of
 from .measure import GIB, Phase
 from .setup import PlanSetup

@@ -1,7 +1,7 @@
 """The DeepSpeed config checks: :func:`check_deepspeed_config` names the settings under which FoRA would silently
 become something else; :func:`load_deepspeed_config` reads a config given as a path or a dict.
 
-May import: config, errors, validation.
+May import: config, errors, files.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 from ..config import FoRAConfig
 from ..errors import FoRAInputError, refuse
-from ..validation import read_json
+from ..files import read_json
 
 
 __all__ = ["check_deepspeed_config", "load_deepspeed_config"]

@@ -3,7 +3,7 @@
 
 The base holds the scaffolding: AdamW on the groups DeepSpeed steps and Cayley-Adam (``stiefel``) on the Stiefel
 ``lora_B``, the check of ``max_grad_norm``, ``bind`` and ``step`` as templates the stages fill in, the step count, and
-the Cayley state that DeepSpeed's checkpoint does not hold (saved as :data:`STIEFEL_STATE_FILE`).
+the Cayley state that DeepSpeed's checkpoint does not hold (saved as ``checkpoints.STIEFEL_STATE_FILE``).
 
 May import: errors, optim, validation, zero.deepspeed_internals.
 """
@@ -22,10 +22,7 @@ from ..validation import check_float
 from .deepspeed_internals import missing_optimizer_attributes
 
 
-__all__ = ["STIEFEL_STATE_FILE", "ZeroClientOptimizer", "find_zero_client"]
-
-# Where FoRASFTTrainer keeps the Cayley-Adam state in a DeepSpeed checkpoint folder.
-STIEFEL_STATE_FILE = "fora_stiefel_optimizer.pt"
+__all__ = ["ZeroClientOptimizer", "find_zero_client"]
 
 
 class ZeroClientOptimizer(AdamW):
@@ -55,7 +52,8 @@ class ZeroClientOptimizer(AdamW):
 
     The Cayley state is not in DeepSpeed's checkpoint (DeepSpeed's elastic checkpoints keep only the partitioned
     groups): :meth:`ZeroFoRAOptimizer.stiefel_state_dict` / :meth:`~ZeroFoRAOptimizer.load_stiefel_state_dict` save and
-    restore it; FoRASFTTrainer writes it to ``STIEFEL_STATE_FILE`` in every checkpoint and reads it back on resume.
+    restore it; the :class:`ZeroStiefelCallback` writes it to ``STIEFEL_STATE_FILE`` in every checkpoint and reads it
+    back on resume.
 
     Under ZeRO-3 every parameter is partitioned, lora_B included: :class:`Zero3FoRAOptimizer` keeps lora_B in
     DeepSpeed's groups (its reduce-scatter, its one clipping norm, its skip of a non-finite step) and gathers each
@@ -131,7 +129,7 @@ class ZeroClientOptimizer(AdamW):
 
     def stiefel_state_dict(self) -> dict[str, Any]:
         """The Cayley-Adam state (moments, fp32 masters, step counts), the same on every rank: DeepSpeed's checkpoint
-        does not hold it (FoRASFTTrainer saves it as :data:`STIEFEL_STATE_FILE`)."""
+        does not hold it (the checkpoint callback saves it as ``STIEFEL_STATE_FILE``)."""
         return {"stiefel": self.stiefel.state_dict(), "steps": self.steps}
 
     def load_stiefel_state_dict(self, state_dict: Mapping[str, Any]) -> None:

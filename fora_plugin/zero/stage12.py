@@ -154,7 +154,7 @@ class ZeroFoRAOptimizer(ZeroClientOptimizer):
                 raise FoRAInputError(
                     "ZeroFoRAOptimizer.step() needs the Euclidean gradient norm to clip with max_grad_norm="
                     f"{self.max_grad_norm}, and was not bound: call bind(engine.optimizer) after deepspeed.initialize "
-                    "(an HF Trainer: fora_plugin.trainer.prepare_deepspeed does it), or set max_grad_norm=0."
+                    "(an HF Trainer: fora_plugin.zero.prepare_deepspeed does it), or set max_grad_norm=0."
                 )
             return None
         norm = zero_grad_norm(self._engine_optimizer)

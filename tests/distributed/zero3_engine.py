@@ -60,7 +60,8 @@ def build_model() -> torch.nn.Module:
 def build_moe_model() -> torch.nn.Module:
     """FoRA's adapter on layers MOE_LAYERS of a tiny Qwen3-MoE, as FoRASFTTrainer builds it."""
     from fora_plugin import FoRAConfig
-    from fora_plugin.wiring import FoRASelection, init_fora_adapters, restrict_lora_config
+    from fora_plugin.selection import FoRASelection
+    from fora_plugin.wiring import init_fora_adapters, restrict_lora_config
 
     base = tiny_moe(num_experts=MOE_EXPERTS)
     config = LoraConfig(

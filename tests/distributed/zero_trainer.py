@@ -23,7 +23,7 @@ from conftest import char_tokenizer, tiny_llama  # noqa: E402
 from test_trainer import LAYERS, VOCAB, lora_config, sft_args, sums_dataset  # noqa: E402
 
 from fora_plugin import FoRAConfig, FoRASFTTrainer  # noqa: E402
-from fora_plugin.zero import STIEFEL_STATE_FILE  # noqa: E402
+from fora_plugin.checkpoints import STIEFEL_STATE_FILE  # noqa: E402
 
 
 DEEPSPEED = {

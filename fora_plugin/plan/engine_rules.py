@@ -1,9 +1,9 @@
 """What each engine shards of a FoRA run, across which ranks, and what it gathers while computing, as data.
 
 The rules of the engines FoRA runs under (plain DDP, DeepSpeed ZeRO-1/2/3 in :mod:`fora_plugin.zero`, torch FSDP2
-in :mod:`fora_plugin.fsdp`), stated as data beside them: each rule describes what that engine's code does, so a change
-to an engine changes its rule here. ``fora plan`` is their reader: it turns one unsharded GPU's memory into each
-rank's. Nothing here computes.
+in :mod:`fora_plugin.fsdp`), stated as data for the planner, their one reader: it turns one unsharded GPU's memory
+into each rank's. Each rule describes what that engine's code does, so a change to an engine changes its rule here.
+Nothing here computes.
 
 May import: nothing of fora_plugin.
 """
