@@ -158,8 +158,10 @@ def cayley_span_step(
         # Solved as zᵀ (I + τ/2 Ω)ᵀ = rhsᵀ: the transposed row-major core is the column-major matrix LAPACK takes
         # (20% faster on a CPU, no copy).
         return torch.linalg.solve_ex(core.mT, (omega_b * h).mul_(-2).mT, left=False)[0].mT
-    w_norm_sq = (omega * omega.mT).sum(dim=(-2, -1)).neg_().clamp_min_(0)  # ‖W‖_F²
-    h = torch.minimum(h, 0.5 * w_norm_sq.rsqrt()[..., None, None])  # τ <= 1/‖W‖_F (rsqrt(0) = inf: no cap)
+    # ‖W‖_F². abs, not clamp_min(0): W = 0 sums to −0.0, which clamp keeps, and rsqrt(−0.0) = −inf would turn
+    # τ into −inf and z into NaN; rounding's tiny negatives become tiny positives, whose cap is no cap either.
+    w_norm_sq = (omega * omega.mT).sum(dim=(-2, -1)).abs_()
+    h = torch.minimum(h, 0.5 * w_norm_sq.rsqrt()[..., None, None])  # τ <= 1/‖W‖_F (rsqrt(+0) = inf: no cap)
     z = omega_b * (-2 * h)  # −τ W B
     for _ in range(iters):
         z = (omega @ z).add_(omega_b, alpha=2.0).mul_(-h)  # −τ/2 W (2B + z)

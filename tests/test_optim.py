@@ -159,6 +159,20 @@ def test_state_dict_round_trip_continues_bit_identically(solver):
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("solver", ["exact", "fixed_point"])
+def test_a_zero_gradient_on_a_fresh_matrix_leaves_it_in_place(solver):
+    # A layer whose loss does not reach it yet (zero gradient, zero moment): W = 0. The fixed-point solver once
+    # returned NaN there (rsqrt of −0.0).
+    params = stiefel_params([(30, 3), (12, 2)], seed=13)
+    before = [p.detach().clone() for p in params]
+    opt = CayleyAdam(params, lr=0.05, cayley_solver=solver)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p, start in zip(params, before):
+        torch.testing.assert_close(p.detach(), start, rtol=0, atol=1e-6)  # fp32 rounding; NaN fails it
+
+
 def test_non_finite_gradient_skips_only_that_matrix_and_is_counted():
     params = stiefel_params([(30, 3), (30, 3), (30, 3)], seed=11)
     opt = CayleyAdam(params, lr=0.05)

@@ -5,6 +5,7 @@ import torch
 from dense_reference import dense_cayley, dense_skew
 
 from fora_plugin.stiefel import (
+    CAYLEY_SOLVERS,
     cayley_coefficients,
     cayley_step,
     orthogonality_error,
@@ -122,6 +123,15 @@ def test_fixed_point_caps_its_step_so_that_it_contracts():
     B_next = cayley_step(B, G, tau, solver="fixed_point", iters=50)
     capped_tau = 1 / torch.linalg.norm(dense_skew(B, G), "fro").item()
     assert torch.allclose(B_next, dense_cayley(B, G, capped_tau), atol=1e-10)
+
+
+@pytest.mark.parametrize("solver", CAYLEY_SOLVERS)
+def test_a_zero_gradient_leaves_the_point_where_it_is(solver):
+    # W = 0 sums ‖W‖_F² to −0.0; the fixed-point cap once took rsqrt of it (−inf) and returned NaN.
+    B, _ = point_and_gradient(20, 4, seed=6)
+    for dtype in (F64, torch.float32):
+        point = B.to(dtype)
+        assert torch.equal(cayley_step(point, torch.zeros_like(point), 0.1, solver=solver), point)
 
 
 def test_small_cayley_step_descends_a_smooth_loss():
