@@ -383,10 +383,12 @@ def reload_check(runs: dict[str, dict[str, Any]], model_dir: Path, device: torch
 
 
 def start_plan(engine: Engine | None, config: str, train: list[str], out: Path, ranks: int) -> subprocess.Popen:
-    """`fora plan` of the run's config and keys (the layers it chose, from its fora_scores.json), in the background
+    """`fora plan` of the run's config and keys (the layers it chose, from its selection record), in the background
     on the CPU, as the user runs it."""
+    from fora_plugin.selection import SCORES_FILE
+
     keys = [k for k in train]
-    keys += ["--fora_scores_path", str(out / "fora_scores.json")]
+    keys += ["--fora_scores_path", str(out / SCORES_FILE)]
     keys += engine.plan_flags() if engine is not None else []
     command = [sys.executable, "-m", "fora_plugin.cli", "plan", config, *keys, "--gpus", str(ranks)]
     command += ["--output", str(out / "plan")]

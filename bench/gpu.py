@@ -982,6 +982,7 @@ def section_cli_train(ctx: Run) -> dict[str, Any]:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from fora_plugin.selection import FoRASelection
     from fora_plugin.stiefel import orthogonality_error
 
     gpu = ctx.device.type == "cuda"
@@ -1040,7 +1041,7 @@ def section_cli_train(ctx: Run) -> dict[str, Any]:
     state = json.loads((out / f"checkpoint-{steps}" / "trainer_state.json").read_text())
     losses = [e["loss"] for e in state["log_history"] if "loss" in e]
     head, tail = statistics.mean(losses[:3]), statistics.mean(losses[-3:])
-    selection = json.loads((out / "fora_scores.json").read_text())
+    selection = FoRASelection.load(out)
 
     # Reload: PeftModel.from_pretrained on a fresh base, against the logits the saved weights give by hand (W + s·BA).
     adapter = load_file(out / "adapter_model.safetensors")
@@ -1075,7 +1076,7 @@ def section_cli_train(ctx: Run) -> dict[str, Any]:
         "loss_first3": head,
         "loss_last3": tail,
         "loss_fell": tail < head,
-        "chosen_layers": selection["chosen_layers"],
+        "chosen_layers": selection.chosen,
         "adapted_layers": sorted(adapted),
         "max_saved_b_drift": max(drifts),
         "reload_vs_saved_weights_max_abs": (logits_reloaded - logits_merged).abs().max().item(),
