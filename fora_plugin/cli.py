@@ -296,6 +296,19 @@ def _check_eval_output(out: Path) -> None:
             )
 
 
+def _keep_earlier_results(out: Path) -> list[Path]:
+    """Move an earlier `fora eval`'s results.json and results.md in ``out`` to results.<n>.json/.md (the first
+    number free for both), so that a second evaluation into one folder (another task, another adapter, the MT-Bench
+    comparison's next model) does not replace the first one's; returns the new names."""
+    earlier = [f for f in (out / "results.json", out / "results.md") if f.is_file()]
+    if not earlier:
+        return []
+    n = 1
+    while any((out / f"results.{n}{f.suffix}").exists() for f in earlier):
+        n += 1
+    return [f.rename(out / f"results.{n}{f.suffix}") for f in earlier]
+
+
 def check_eval_arguments(args: argparse.Namespace) -> None:
     """The numbers of ``fora eval``'s flags."""
     for flag in ("--max-examples", "--batch-size", "--max-new-tokens", "--ppl-max-length", "--ppl-stride"):
@@ -428,8 +441,11 @@ def evaluate(args: argparse.Namespace) -> int:
                 f"MT-Bench answers: {result['answers']}\nJudge them here with --judge-model (any OpenAI-compatible "
                 f"server), or with FastChat (needs your OPENAI_API_KEY):\n  {mt_bench_judge_command(args.model_id)}"
             )
+    kept = _keep_earlier_results(out)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "results.md").write_text("\n".join(rows) + "\n" + extra)
+    if kept:
+        print(f"The earlier results in {out} are kept as {', '.join(p.name for p in kept)}.")
     print("\n".join(rows) + "\n" + extra)
     if extra:
         print(f"MT-Bench plot: {(out / 'mt_bench.png').resolve()}")

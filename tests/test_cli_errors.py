@@ -217,6 +217,11 @@ class Ctx:
         base = ["eval", "--base", str(self.shared / "model"), "--commonsense-dir", str(task.parents[1])]
         return [*base, "--tasks", "boolq", *flags]
 
+    def earlier_eval(self, name: str) -> str:
+        """A folder holding what an earlier `fora eval` wrote (results.json, results.md)."""
+        self.file(f"{name}/results.md", "| earlier |")
+        return str(Path(self.file(f"{name}/results.json", EARLIER_EVAL)).parent)
+
     def perplexity(self, *flags: str) -> list[str]:
         """`fora eval` on the tiny model with a two-character WikiText file, plus ``flags``."""
         return ["eval", "--base", str(self.shared / "model"), "--wikitext", self.file("w.txt", "ab"), *flags]
@@ -1198,6 +1203,8 @@ def scored(folder: Path) -> bool:
     return json.loads((folder / "fora_scores.json").read_text())["source"] == "fisher"
 
 
+EARLIER_EVAL = json.dumps({"base": "earlier-model", "adapter": None, "perplexity": {"perplexity": 12.5}})
+
 # Valid inputs a user may find unusual: (id, command line from a Ctx, what the run left, checked). Each runs (exit
 # code 0) and leaves the earlier run in out/ byte-identical.
 VALID: list[tuple[str, Callable[[Ctx], list[str]], Callable[[Ctx], bool]]] = [
@@ -1236,6 +1243,15 @@ VALID: list[tuple[str, Callable[[Ctx], list[str]], Callable[[Ctx], bool]]] = [
         "eval-adapter-given-as-a-checkpoint-folder",
         lambda c: [*c.perplexity("--adapter", checkpoint_of(c, "run")), "--output", str(c.tmp / "ev")],
         lambda c: json.loads((c.tmp / "ev" / "results.json").read_text())["perplexity"]["perplexity"] > 1,
+    ),
+    (
+        "eval-into-a-folder-an-earlier-eval-wrote",  # its results are kept beside, as results.1.json/.md
+        lambda c: c.perplexity("--output", c.earlier_eval("ev")),
+        lambda c: (
+            (c.tmp / "ev" / "results.1.json").read_text() == EARLIER_EVAL
+            and (c.tmp / "ev" / "results.1.md").read_text() == "| earlier |"
+            and json.loads((c.tmp / "ev" / "results.json").read_text())["perplexity"]["perplexity"] > 1
+        ),
     ),
     (
         "report-two-checkpoints-of-one-name",  # two labels, not one checkpoint-1 replacing the other
