@@ -213,6 +213,22 @@ def test_bf16_adapters_are_planned_with_their_fp32_masters(tmp_path):
         assert step.peak["optimizer_states"] == state_bytes * step.trainable + 4 * matrices
 
 
+def test_a_captured_step_is_planned_with_its_static_gradients_and_graph_pool(tmp_path):
+    """cuda_graph keeps, from the capture on, a static copy of each Stiefel lora_B gradient and the graph's pool,
+    which holds at least the staged step's stacked copies of B and G. Planned before, it raised a traceback (the
+    fake parameters are on the CPU, where a capture is refused)."""
+    config = write_config(tmp_path, dtype="float32")
+    eager = run_plan(plan_setup(config, []), modes=("fora", "fg-lora"))["phases"]
+    setup = plan_setup(config, ["--fora_cuda_graph", "true"])
+    assert any(n.startswith("cuda_graph: the captured Cayley-Adam step keeps") for n in setup.notes)
+    captured = run_plan(setup, modes=("fora", "fg-lora"))["phases"]
+    lora_b = (HIDDEN + 2 * KV_HEADS * HIDDEN // HEADS + INTERMEDIATE + HIDDEN) * (LAYERS // 2) * 4 * 4  # d_out, r 4
+    added = captured["fora"]["step"].peak["stiefel"] - eager["fora"]["step"].peak["stiefel"]
+    assert added >= lora_b + 2 * lora_b  # the static gradients, and a pool of at least B and G stacked
+    assert captured["fora"]["step"].total - eager["fora"]["step"].total == added
+    assert captured["fg-lora"]["step"] == eager["fg-lora"]["step"]  # AdamW on lora_B: nothing captured
+
+
 def test_the_plan_says_it_does_not_model_liger_or_compile(tmp_path):
     config = write_config(tmp_path, use_liger_kernel=True, torch_compile=True)
     notes = plan_setup(config, []).notes

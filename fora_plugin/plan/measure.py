@@ -7,8 +7,8 @@ checkpointing and autocast, and the optimizer step with its states (FoRA's optim
 :class:`~fora_plugin.plan.memory.LiveTensorTracker` counts live storages, and breaks each peak into parts: weights,
 LoRA (parameters, gradients, optimizer states, the Stiefel part), activations and transient buffers.
 
-May import: config, fisher, plan.engine_rules, plan.fake_model, plan.kernels, plan.memory, plan.setup, training,
-wiring.
+May import: config, fisher, optim, plan.engine_rules, plan.fake_model, plan.kernels, plan.memory, plan.setup,
+training, wiring.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..config import MODE_PARTS
 from ..fisher import fisher_scores
+from ..optim import resolve_implementation
 from ..training import fora_optimizer
 from ..wiring import readapt_lora
 from .engine_rules import ENGINES
@@ -115,6 +116,31 @@ def _peak(tracker, kinds: _Kinds, live: dict[int, int]) -> dict[str, int]:
     return {k: v for k, v in tracker.breakdown(live, kinds.of).items() if v}
 
 
+# Storages that the captured Cayley-Adam step keeps and the fake step does not allocate: negative uids, no tracker's.
+_STATIC_GRADS, _GRAPH_POOL = -1, -2
+
+
+def _captured_step_bytes(
+    setup: PlanSetup,
+    model: nn.Module,
+    stiefel: set[int],
+    tracker,
+    step_peak: dict[int, int],
+    before: dict[int, int],
+    kept: dict[int, int],
+) -> dict[int, int]:
+    """What Cayley-Adam's captured step (``cuda_graph``) keeps alive from its capture on, beside its state: static
+    gradient buffers the size of the Stiefel lora_B gradients (the Trainer frees the gradients at each zero_grad, the
+    graph reads fixed addresses) and the graph's private pool, which keeps the step's own buffers (its transient peak
+    above what was alive before it and what it leaves). Empty for an eager step."""
+    if not (setup.fora.cuda_graph and stiefel):
+        return {}
+    grads = tracker.uids(p.grad for p in model.parameters() if id(p) in stiefel and p.grad is not None)
+    static = sum(nbytes for uid, nbytes in tracker.live().items() if uid in grads)
+    pool = sum(nbytes for uid, nbytes in step_peak.items() if uid not in before and uid not in kept)
+    return {_STATIC_GRADS: static, _GRAPH_POOL: pool}
+
+
 def _scoring_phase(setup: PlanSetup, fake_mode, device: torch.device) -> Phase:
     """One Fisher scoring batch on the model as scoring holds it: LoRA on every target layer, adapters off."""
     model = wrap_lora(setup, meta_model_of(setup))
@@ -192,9 +218,15 @@ def _step_phases(
                 if mode == "lora":
                     optimizer = lora_optimizer(setup, model)
                 else:
-                    optimizer = fora_optimizer(
-                        trainer_view(setup, model), model, dataclasses.replace(setup.fora, mode=mode)
-                    )
+                    # The fake step runs eager (a capture needs real CUDA tensors); what a capture keeps is added
+                    # below (_captured_step_bytes).
+                    fora = dataclasses.replace(setup.fora, mode=mode, cuda_graph=None)
+                    optimizer = fora_optimizer(trainer_view(setup, model), model, fora)
+                    # The step's buffers as on the device planned for, not as on this CPU the fake tensors name.
+                    implementation = resolve_implementation(None, torch.device(setup.loss_head_device))
+                    for group in optimizer.param_groups:
+                        if group["stiefel"]:
+                            group["implementation"] = implementation
                 tracker.reset_peak()
                 flops = tracker.flops
                 before = tracker.live()
@@ -212,14 +244,21 @@ def _step_phases(
                 stiefel_uids = (set(kept) - euclidean_uids) | tracker.uids(
                     p.grad for p in model.parameters() if id(p) in stiefel and p.grad is not None
                 )
-                kind = _Kinds({**kinds.kind, **dict.fromkeys(stiefel_uids, "stiefel")})
+                step_peak = tracker.peak_live()
+                captured = _captured_step_bytes(setup, model, stiefel, tracker, step_peak, before, kept)
+                kind = _Kinds({**kinds.kind, **dict.fromkeys([*stiefel_uids, *captured], "stiefel")})
                 flops = backward_flops + tracker.flops - flops
                 phases[mode] = [
                     *(
-                        Phase(_peak(tracker, kind, {**peak, **kept}), flops, trainable)
+                        Phase(_peak(tracker, kind, {**peak, **kept, **captured}), flops, trainable)
                         for peak in (forward_peak, backward_peak)
                     ),
-                    Phase(_peak(tracker, kind, tracker.peak_live()), flops, trainable),
+                    # A replayed step runs in the pool it holds: the eager step's own buffers are that pool.
+                    Phase(
+                        _peak(tracker, kind, {**step_peak, _STATIC_GRADS: captured.get(_STATIC_GRADS, 0)}),
+                        flops,
+                        trainable,
+                    ),
                 ]
                 del states, kept, live
                 optimizer.state.clear()  # the next mode's optimizer starts from no state

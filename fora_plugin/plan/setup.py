@@ -141,8 +141,9 @@ class PlanSetup:
     gpus: int
     output_dir: Path
     notes: list[str] = dataclasses.field(default_factory=list)
-    # Where the loss head's kernels are planned to run: "cuda" (the GPU a plan is for: TRL's Triton folds) or "cpu"
-    # (TRL's torch fallback, which copies each logits tile to fp32: a plan to check against a CPU run).
+    # The device the step is planned for: "cuda" (the GPU a plan is for: TRL's Triton folds of the loss head,
+    # Cayley-Adam's staged step) or "cpu" (TRL's torch fallback, which copies each logits tile to fp32, and the
+    # per-matrix step: a plan to check against a CPU run).
     loss_head_device: str = "cuda"
 
     def __post_init__(self) -> None:
@@ -309,6 +310,11 @@ def plan_setup(
         notes.append(
             "torch_compile: not modelled: the plan runs the eager step (compiled kernels fuse elementwise ops and may "
             "hold fewer intermediate tensors; not measured here)"
+        )
+    if fora.cuda_graph:
+        notes.append(
+            "cuda_graph: the captured Cayley-Adam step keeps static lora_B gradient buffers and its graph's pool (the "
+            "step's own buffers) from the capture on; both are counted in the Stiefel part"
         )
     return PlanSetup(
         config=config,
