@@ -20,6 +20,7 @@ except ImportError:
 from fora_plugin import cli as cli_module
 from fora_plugin import plan as plan_module
 from fora_plugin.cli import main
+from fora_plugin.errors import FoRAInputError
 from fora_plugin.plan import (
     BUNDLED_MODEL_CONFIGS,
     MODEL_CONFIGS,
@@ -448,6 +449,9 @@ def test_zero2_reduce_buffers_live_in_the_backward_only(tmp_path):
     result = run_plan(setup, modes=("lora",))
     assert any(f"2 x {HIDDEN * HIDDEN:,} bfloat16 elements" in note for note in result["notes"])
     # Without contiguous_gradients DeepSpeed allocates none (stage 2's default overlap_comm is false: one buffer).
+    zero.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "large"}}))
+    with pytest.raises(FoRAInputError, match=r"zero_optimization.reduce_bucket_size='large', which DeepSpeed refuses"):
+        plan_setup(config, ["--deepspeed", str(zero)], gpus=4)
     zero.write_text(json.dumps({"zero_optimization": {"stage": 2, "contiguous_gradients": False}}))
     assert plan_setup(config, ["--deepspeed", str(zero)], gpus=4).reduce_buffers is None
     zero.write_text(

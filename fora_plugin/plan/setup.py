@@ -237,15 +237,6 @@ def _hidden_size(hf_config: Any) -> int | None:
     return None
 
 
-# The "auto" values of a zero_optimization block that HF's Trainer fills from the hidden size h (same place as
-# above); the stage3_ ones under ZeRO-3 only.
-_HF_AUTO_ZERO = {
-    "reduce_bucket_size": lambda h: h * h,
-    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-    "stage3_param_persistence_threshold": lambda h: 10 * h,
-}
-
-
 def _reduce_buffers(
     ds: dict[str, Any], engine: str, hf_config: Any, training_args: Any, name: str, notes: list[str]
 ) -> ReduceBuffers | None:
@@ -255,21 +246,23 @@ def _reduce_buffers(
     if rule is None:
         return None
     zero = dict(ds.get("zero_optimization") or {})
-    autos = [k for k in _HF_AUTO_ZERO if zero.get(k) == "auto" and (engine == "zero3" or not k.startswith("stage3"))]
-    if autos:
+    if zero.get(rule.size) == "auto":
+        # As HF's Trainer fills it (the stage3_* "auto" keys it fills under ZeRO-3 only, as DeepSpeed refuses them).
         hidden = _hidden_size(hf_config)
         if hidden is None:
             raise FoRAInputError(
-                f"{name} sets {', '.join(autos)} to 'auto', which HF fills from the model's hidden size, and the "
-                "model config has none: give an integer."
+                f"{name} sets zero_optimization.{rule.size} to 'auto', which HF fills with the model's hidden size "
+                "squared, and the model config has none: give an integer."
             )
-        zero.update({k: _HF_AUTO_ZERO[k](hidden) for k in autos})
+        zero[rule.size] = hidden * hidden
     try:
         zero = zero_config(zero)
     except ValueError as error:  # pydantic's ValidationError is one
+        first = error.errors()[0] if hasattr(error, "errors") else {}
+        where = ".".join(map(str, first.get("loc", ())))
         raise FoRAInputError(
-            f"{name}: DeepSpeed refuses its zero_optimization block ({str(error).splitlines()[0]}): fix it as "
-            "DeepSpeed's config documentation says."
+            f"{name} has zero_optimization.{where}={first.get('input')!r}, which DeepSpeed refuses "
+            f"({first.get('msg', error)}): give what DeepSpeed's config documentation accepts."
         ) from None
     stage = f"zero{int(zero.stage)}"
     if (ds.get("data_types") or {}).get("grad_accum_dtype") is not None and stage == "zero1":
