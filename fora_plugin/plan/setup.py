@@ -344,6 +344,11 @@ def plan_setup(
         stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
         engine = f"zero{stage}" if stage else engine
         reduce_buffers = _reduce_buffers(ds, engine, hf_config, training_args, name, notes)
+        if engine == "zero3":
+            notes.append(
+                "zero3: DeepSpeed's own reduce bucket (reduce_bucket_size elements, allocated at its start) and its "
+                "prefetch / max_live_parameters limits are not counted (the plan gathers two decoder layers instead)"
+            )
     if fsdp:
         fsdp_config = dict(fsdp.get("fsdp_config") or {})
         args = _FSDPArgs(fsdp=fsdp.get("fsdp") or "full_shard", fsdp_config=fsdp_config)
