@@ -1,6 +1,7 @@
 """FoRA under DeepSpeed ZeRO-1/2: two CPU ranks over gloo against a single-process run of the same global batches."""
 
 import inspect
+import json
 import math
 import os
 import socket
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TARGETS, char_tokenizer, tiny_llama
+from conftest import TARGETS, char_tokenizer, tiny_llama, tiny_llama_config
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from fora_plugin import FoRAConfig, make_stiefel
@@ -29,6 +30,7 @@ from fora_plugin.zero import (
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 import zero3_engine  # noqa: E402
+import zero_buckets  # noqa: E402
 import zero_engine  # noqa: E402
 
 
@@ -862,3 +864,33 @@ def test_a_deepspeed_launch_hf_does_not_count_is_refused(monkeypatch):
     join_deepspeed_process_group(SimpleNamespace(deepspeed=None, world_size=1, use_cpu=False))  # no DeepSpeed
     monkeypatch.setenv("WORLD_SIZE", "1")
     join_deepspeed_process_group(args)  # one process: nothing to join
+
+
+@pytest.fixture(scope="module")
+def bucket_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero_buckets")
+    torchrun(HERE / "distributed" / "zero_buckets.py", str(out), nproc=1)
+    return json.loads((out / "buckets.json").read_text())
+
+
+@pytest.mark.parametrize("variant", list(zero_buckets.VARIANTS))
+def test_plan_counts_the_gradient_reduction_buffers_a_real_engine_allocates(bucket_runs, tmp_path, variant):
+    """The bytes of DeepSpeed's ipg buffers, read inside a real ZeRO-1/2 engine's backward (gone after it), are what
+    `fora plan` adds to the backward for the same DeepSpeed block."""
+    import yaml
+
+    from fora_plugin.plan import plan_setup
+
+    zero, bf16 = zero_buckets.VARIANTS[variant]
+    run = bucket_runs[variant]
+    real = sum(sum(sizes) for sizes in run["during"].values())
+    assert real > 0 and all(sizes == [] for sizes in run["after"].values())
+    tiny_llama_config().save_pretrained(tmp_path / "model")
+    config = tmp_path / "config.yaml"
+    keys = {"model_name_or_path": str(tmp_path / "model"), "output_dir": str(tmp_path), "bf16": bf16}
+    config.write_text(yaml.safe_dump({**keys, "lora_target_modules": TARGETS, "report_to": "none"}))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": zero, "bf16": {"enabled": "auto"}}))
+    buffers = plan_setup(str(config), ["--deepspeed", str(ds)], gpus=2).reduce_buffers
+    assert buffers.nbytes == real
+    assert str(buffers.dtype) == run["dtype"] == next(iter(run["during"]))

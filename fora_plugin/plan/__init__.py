@@ -138,6 +138,13 @@ def run_plan(setup: PlanSetup, modes: tuple[str, ...] = MODES, *, full_depth: bo
     del base
     measured, result["depths"], notes = measure_over_depth(setup, modes, planned, scoring, depths, num_layers)
     result["notes"] += notes
+    buffers = setup.reduce_buffers
+    if buffers is not None:
+        result["notes"].append(
+            f"{setup.engine}: DeepSpeed's gradient reduction buffers counted in each step's backward (transient, "
+            f"every GPU): {buffers.count} x {buffers.elements:,} {str(buffers.dtype).removeprefix('torch.')} "
+            f"elements = {buffers.nbytes / GIB:.2f} GiB ({buffers.settings}), whatever the trainable count"
+        )
     # Built once: it sizes a meta model of every layer, and shard_phase runs per mode, phase and candidate.
     gathered = gathered_bytes(setup) if setup.gpus > 1 and ENGINES[setup.engine].gathered_layers else None
     for mode in modes:

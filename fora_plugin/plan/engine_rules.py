@@ -3,7 +3,7 @@
 The rules of the engines FoRA runs under (plain DDP, DeepSpeed ZeRO-1/2/3 in :mod:`fora_plugin.zero`, torch FSDP2
 in :mod:`fora_plugin.fsdp`), stated as data for the planner, their one reader: it turns one unsharded GPU's memory
 into each rank's. Each rule describes what that engine's code does, so a change to an engine changes its rule here.
-Nothing here computes.
+Nothing here computes beyond reading an engine config's keys.
 
 May import: nothing of fora_plugin.
 """
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 from types import MappingProxyType
+from typing import Any
 
 
-__all__ = ["ENGINES", "GATHERED", "PARTS", "EngineSharding"]
+__all__ = ["ENGINES", "GATHERED", "PARTS", "EngineSharding", "ReduceBuckets"]
 
 # The parts of a run's memory that the rules name (``fora plan`` breaks each peak into these).
 PARTS = MappingProxyType(
@@ -35,6 +36,34 @@ GATHERED = MappingProxyType(
         "root": "the root (embeddings, norm, head)",  # FSDP2's root module: not resharded after its forward
     }
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceBuckets:
+    """Gradient reduction buffers that a DeepSpeed ZeRO optimizer allocates whole, whatever the number of trainable
+    elements: ``reduce_bucket_size`` elements each (in the dtype the engine reduces gradients in), one per
+    communication dtype, a second one with ``overlap_comm``. Read from a ``zero_optimization`` block as DeepSpeed's
+    ``DeepSpeedZeroConfig`` reads it (its defaults filled).
+
+    ZeRO-1/2 (``stage_1_and_2.py``): ``setup_buckets`` allocates them at each backward's first gradient hook when
+    ``contiguous_gradients`` is on (which optimizer offload forces), and ``_release_ipg_buffers`` frees them at the
+    backward's end: they live in the backward only.
+    """
+
+    size: str = "reduce_bucket_size"
+    needs: str = "contiguous_gradients"  # no buffer without it ...
+    forced_by: str = "offload_optimizer"  # ... unless the optimizer is offloaded (device other than "none")
+    doubled_by: str | None = "overlap_comm"
+
+    def count(self, zero: Any) -> int:
+        """How many buffers of ``size`` elements per communication dtype; ``zero`` is a ``DeepSpeedZeroConfig``."""
+        offload = getattr(zero, self.forced_by)
+        if not (getattr(zero, self.needs) or (offload is not None and offload.device != "none")):
+            return 0
+        return 2 if self.doubled_by is not None and getattr(zero, self.doubled_by) else 1
+
+    def elements(self, zero: Any) -> int:
+        return int(getattr(zero, self.size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +90,8 @@ class EngineSharding:
     # fisher_scores' linear_grad during scoring: a weight's gradient is a shard under ZeRO-3, so linears are scored
     # from their inputs and output gradients.
     scoring_linear_grad: str = "auto"
+    # Gradient reduction buffers alive during each step's backward (not sharded: each rank allocates them whole).
+    reduce_buckets: ReduceBuckets | None = None
 
     def __post_init__(self) -> None:
         unknown = {*self.shards, *self.shards_scoring, *self.whole} - set(PARTS)
@@ -74,16 +105,23 @@ class EngineSharding:
 
 
 _ZERO_WHOLE = ("stiefel",)
+_ZERO12_BUCKETS = ReduceBuckets()
 # Engine name (as ``fora plan`` names the run's engine) -> its rule.
 ENGINES: MappingProxyType[str, EngineSharding] = MappingProxyType(
     {
         "single": EngineSharding(),
         "ddp": EngineSharding(),  # every rank holds everything
-        "zero1": EngineSharding(shards=("optimizer_states",), shards_scoring=("optimizer_states",), whole=_ZERO_WHOLE),
+        "zero1": EngineSharding(
+            shards=("optimizer_states",),
+            shards_scoring=("optimizer_states",),
+            whole=_ZERO_WHOLE,
+            reduce_buckets=_ZERO12_BUCKETS,
+        ),
         "zero2": EngineSharding(
             shards=("optimizer_states", "lora_grads"),
             shards_scoring=("optimizer_states", "lora_grads"),
             whole=_ZERO_WHOLE,
+            reduce_buckets=_ZERO12_BUCKETS,
         ),
         # Zero3FoRAOptimizer: every rank holds each whole fp32 lora_B and its Cayley state.
         "zero3": EngineSharding(

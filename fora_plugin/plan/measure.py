@@ -118,6 +118,8 @@ def _peak(tracker, kinds: _Kinds, live: dict[int, int]) -> dict[str, int]:
 
 # Storages that the captured Cayley-Adam step keeps and the fake step does not allocate: negative uids, no tracker's.
 _STATIC_GRADS, _GRAPH_POOL = -1, -2
+# DeepSpeed's gradient reduction buffers (PlanSetup.reduce_buffers): allocated by the engine, alive in the backward.
+_REDUCE_BUFFERS = -3
 
 
 def _captured_step_bytes(
@@ -212,6 +214,8 @@ def _step_phases(
             kinds.mark(tracker.uids(grads), "lora_grads")
             backward_peak = tracker.peak_live()
             backward_flops = tracker.flops
+            # Transient (the kind of an unmarked uid); the engine's allocations are not the fake step's.
+            reduce_buffers = {_REDUCE_BUFFERS: setup.reduce_buffers.nbytes} if setup.reduce_buffers else {}
             phases = {}
             # Modes without Stiefel lora_B first, so that no Cayley-Adam state is alive through another mode's step.
             for mode in sorted(modes, key=lambda m: MODE_PARTS[m][1]):
@@ -251,7 +255,7 @@ def _step_phases(
                 phases[mode] = [
                     *(
                         Phase(_peak(tracker, kind, {**peak, **kept, **captured}), flops, trainable)
-                        for peak in (forward_peak, backward_peak)
+                        for peak in (forward_peak, {**backward_peak, **reduce_buffers})
                     ),
                     # A replayed step runs in the pool it holds: the eager step's own buffers are that pool.
                     Phase(

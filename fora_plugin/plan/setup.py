@@ -31,7 +31,7 @@ from ..models import load_model_config
 from ..recipe import load_yaml_config, parse_config
 from ..selection import check_layer_indices, load_scores, resolve_layer_budget, select_layers
 from ..targets import check_target_modules, check_target_parameters
-from ..zero import check_deepspeed_config, load_deepspeed_config
+from ..zero import check_deepspeed_config, load_deepspeed_config, zero_config
 from .engine_rules import ENGINES
 
 
@@ -42,6 +42,7 @@ __all__ = [
     "MODES",
     "FourBit",
     "PlanSetup",
+    "ReduceBuffers",
     "find_model_config",
     "plan_setup",
     "planned_layers",
@@ -120,6 +121,21 @@ class FourBit:
         return math.ceil(numel / 2) + absmax + 4 * 16  # + the 16-value NF4 code
 
 
+@dataclasses.dataclass(frozen=True)
+class ReduceBuffers:
+    """DeepSpeed's gradient reduction buffers of the planned run, by its engine's rule (:class:`~fora_plugin.plan.
+    engine_rules.ReduceBuckets`): ``count`` buffers of ``elements`` elements of ``dtype``."""
+
+    count: int
+    elements: int
+    dtype: torch.dtype
+    settings: str  # the settings they come from, for the note
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.elements * self.dtype.itemsize
+
+
 @dataclasses.dataclass
 class PlanSetup:
     """What a plan needs from a `fora train` config: model, shapes, precision, LoRA, FoRA and the engine."""
@@ -145,6 +161,8 @@ class PlanSetup:
     # Cayley-Adam's staged step) or "cpu" (TRL's torch fallback, which copies each logits tile to fp32, and the
     # per-matrix step: a plan to check against a CPU run).
     loss_head_device: str = "cuda"
+    # DeepSpeed's gradient reduction buffers, alive during each step's backward (ZeRO-1/2); None: none counted.
+    reduce_buffers: ReduceBuffers | None = None
 
     def __post_init__(self) -> None:
         if self.loss_head_device not in LOSS_HEAD_DEVICES:
@@ -207,6 +225,69 @@ def _axolotl_as_trl(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _hidden_size(hf_config: Any) -> int | None:
+    """The hidden size HF's Trainer fills DeepSpeed's "auto" bucket sizes from (HfTrainerDeepSpeedConfig.
+    trainer_config_finalize in transformers' integrations/deepspeed.py): hidden_size, else the largest of
+    hidden_sizes, else the same in text_config."""
+    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
+        if getattr(cfg, "hidden_size", None) is not None:
+            return cfg.hidden_size
+        if getattr(cfg, "hidden_sizes", None):
+            return max(cfg.hidden_sizes)
+    return None
+
+
+def _reduce_buffers(
+    ds: dict[str, Any], engine: str, hf_config: Any, training_args: Any, name: str, notes: list[str]
+) -> ReduceBuffers | None:
+    """The gradient reduction buffers ``engine``'s rule allocates under the DeepSpeed config ``ds``: its
+    zero_optimization block with HF's "auto" values filled, read by DeepSpeed's own config model."""
+    rule = ENGINES[engine].reduce_buckets
+    if rule is None:
+        return None
+    zero = dict(ds.get("zero_optimization") or {})
+    if zero.get(rule.size) == "auto":
+        # As HF's Trainer fills it (the stage3_* "auto" keys it fills under ZeRO-3 only, as DeepSpeed refuses them).
+        hidden = _hidden_size(hf_config)
+        if hidden is None:
+            raise FoRAInputError(
+                f"{name} sets zero_optimization.{rule.size} to 'auto', which HF fills with the model's hidden size "
+                "squared, and the model config has none: give an integer."
+            )
+        zero[rule.size] = hidden * hidden
+    try:
+        zero = zero_config(zero)
+    except ValueError as error:  # pydantic's ValidationError is one
+        first = error.errors()[0] if hasattr(error, "errors") else {}
+        where = ".".join(map(str, first.get("loc", ())))
+        raise FoRAInputError(
+            f"{name} has zero_optimization.{where}={first.get('input')!r}, which DeepSpeed refuses "
+            f"({first.get('msg', error)}): give what DeepSpeed's config documentation accepts."
+        ) from None
+    stage = f"zero{int(zero.stage)}"
+    if (ds.get("data_types") or {}).get("grad_accum_dtype") is not None and stage == "zero1":
+        notes.append(
+            f"{stage}: data_types.grad_accum_dtype set: DeepSpeed's gradient reduction buffers are not counted (their "
+            "dtype, or BF16_Optimizer in place of ZeRO-1's, depends on it; not modelled)"
+        )
+        return None
+    # DeepSpeed reduces in the dtype its engine casts the parameters to (its bf16 / fp16 blocks; "auto": the
+    # Trainer's bf16 / fp16).
+    enabled = {}
+    for dtype, keys, arg in ((torch.bfloat16, ("bf16", "bfloat16"), "bf16"), (torch.float16, ("fp16",), "fp16")):
+        value = next(((ds.get(k) or {}).get("enabled") for k in keys if k in ds), False)
+        enabled[dtype] = bool(getattr(training_args, arg)) if value == "auto" else value is True
+    dtype = next((d for d, on in enabled.items() if on), torch.float32)
+    count = rule.count(zero)
+    if (ds.get("torch_autocast") or {}).get("enabled") is True:
+        notes.append(
+            f"{stage}: torch_autocast on: DeepSpeed keeps one set of gradient reduction buffers per communication "
+            "dtype; the plan counts one"
+        )
+    settings = f"{rule.size} {rule.elements(zero):,}, {rule.doubled_by} {str(getattr(zero, rule.doubled_by)).lower()}"
+    return ReduceBuffers(count, rule.elements(zero), dtype, settings) if count else None
+
+
 @dataclasses.dataclass
 class _FSDPArgs:
     """The fields of TrainingArguments that fsdp.check_fsdp reads, as for the planned run (a launched one)."""
@@ -255,12 +336,19 @@ def plan_setup(
 
     check_one_engine(fsdp.get("fsdp") or fsdp.get("fsdp_config"), deepspeed)
     engine = "ddp" if gpus > 1 else "single"
+    reduce_buffers = None
     if deepspeed:
         name = f"deepspeed={deepspeed!r}" if isinstance(deepspeed, str) else "deepspeed"
         ds = load_deepspeed_config(deepspeed)
         check_deepspeed_config(ds, fora, name=name)
         stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
         engine = f"zero{stage}" if stage else engine
+        reduce_buffers = _reduce_buffers(ds, engine, hf_config, training_args, name, notes)
+        if engine == "zero3":
+            notes.append(
+                "zero3: DeepSpeed's own reduce bucket (reduce_bucket_size elements, allocated at its start) and its "
+                "prefetch / max_live_parameters limits are not counted (the plan gathers two decoder layers instead)"
+            )
     if fsdp:
         fsdp_config = dict(fsdp.get("fsdp_config") or {})
         args = _FSDPArgs(fsdp=fsdp.get("fsdp") or "full_shard", fsdp_config=fsdp_config)
@@ -334,6 +422,7 @@ def plan_setup(
         gpus=gpus,
         output_dir=Path(output or training_args.output_dir),
         notes=notes,
+        reduce_buffers=reduce_buffers,
     )
 
 

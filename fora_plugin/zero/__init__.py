@@ -9,7 +9,7 @@ zero.stage3.
 
 from .checks import check_deepspeed_config, load_deepspeed_config
 from .client import ZeroClientOptimizer, find_zero_client
-from .deepspeed_internals import gathered_parameters, gathered_trainable_parameters
+from .deepspeed_internals import gathered_parameters, gathered_trainable_parameters, zero_config
 from .launch import deepspeed_zero_stage, join_deepspeed_process_group
 from .prepare import ZeroStiefelCallback, prepare_deepspeed
 from .scoring import zero3_scoring_engine
@@ -33,4 +33,5 @@ __all__ = [
     "load_deepspeed_config",
     "prepare_deepspeed",
     "zero3_scoring_engine",
+    "zero_config",
 ]

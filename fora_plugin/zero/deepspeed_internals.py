@@ -11,7 +11,7 @@ May import: nothing of fora_plugin.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ __all__ = [
     "zero3_optimizer",
     "zero3_sub_group",
     "zero3_sub_groups_holding",
+    "zero_config",
     "zero_grad_norm",
 ]
 
@@ -72,6 +73,15 @@ def gathered_parameters(params: Iterable[torch.Tensor]) -> contextlib.AbstractCo
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(partitioned)
+
+
+def zero_config(zero: Mapping[str, Any]) -> Any:
+    """A ``zero_optimization`` block as DeepSpeed reads it: its ``DeepSpeedZeroConfig`` (defaults filled, the
+    stage-dependent ones included, aliases and ``5e8``-style numbers resolved). Raises ``ValueError`` (pydantic's) on
+    a block DeepSpeed refuses, such as an ``"auto"`` that only HF's Trainer fills."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return DeepSpeedZeroConfig(**zero)
 
 
 def gathered_trainable_parameters(model: torch.nn.Module) -> contextlib.AbstractContextManager:
