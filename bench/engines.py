@@ -1,4 +1,4 @@
-"""The distributed engines on one GPU (issue 37): ``fora train`` under DeepSpeed ZeRO-2, ZeRO-3, QFoRA with ZeRO-2 and
+"""The distributed engines on one GPU: ``fora train`` under DeepSpeed ZeRO-2, ZeRO-3, QFoRA with ZeRO-2 and
 FSDP2, each launched by the docs' own line (docs/distributed.md) with world size 1, and DeepSpeed ZeRO-2 with two ranks
 on the one device over gloo, against the same ``fora train`` in a single process (same seed, same data order).
 

@@ -1,4 +1,4 @@
-"""FoRA on one GPU in one command (issue 26): markdown tables on stdout, one JSON file naming the GPU, the driver and
+"""FoRA on one GPU in one command: markdown tables on stdout, one JSON file naming the GPU, the driver and
 every package version.
 
 Sections, each through the package's own code, each recorded in the JSON as ``ok``, ``skipped`` (with the reason)
@@ -8,7 +8,7 @@ a. ``step_time``: the paper's efficiency table (bench/step_time.py): LLaMA-3.2-3
    bf16 weights, batch 16 x 256, LoRA r 32 on q/k/v/up/down through FoRASFTTrainer; lora (all layers), fg-lora and
    fora on the top half and on every second layer, checkpointing off and on; ms/step, max_memory_allocated/reserved,
    the ratios beside the paper's figures, and the torch profiler's top kernels of the ckpt-off top-half rows.
-a3. ``fast_path``: issue 36's rows: lora, fg-lora and fora (top half, checkpointing off) on the commonsense mix with
+a3. ``fast_path``: lora, fg-lora and fora (top half, checkpointing off) on the commonsense mix with
    each of PEFT's input cast (``fora_input_cast: peft``), the cast off (the default), bf16 adapters with fp32 masters,
    Liger's kernels, ``torch_compile``, and all together; then the fastest on the fixed 256-token rows, checkpointing
    off and on. Rows not started within the budget are listed as left out (compile rows come last: they compile).
@@ -101,11 +101,11 @@ PACKAGES = (
     "fsspec",
     "regex",
 )
-# The paper's efficiency table (LLaMA-3.2-3B, batch 16 x 256, bf16, one H200) and issue 26's goals.
+# The paper's efficiency table (LLaMA-3.2-3B, batch 16 x 256, bf16, one H200) and our goals against it.
 PAPER = {"lora_ms": 97.5, "lora_gb": 15.32, "half_ms": 67.1, "half_gb": 12.45, "half_over_lora": 0.688}
 GOALS = {"fora_over_lora": 0.72, "fora_over_fg_lora": 1.10, "plan_error": 0.05, "drift": 1e-3}
 ALPACA = REPO / "example_configs" / "data" / "alpaca_en_demo.json"
-# Issue 35's goals for Cayley-Adam's step on the GPU, by set: ("ms", wall ms) or ("× foreach", over foreach AdamW).
+# The goals for Cayley-Adam's step on the GPU, by set: ("ms", wall ms) or ("× foreach", over foreach AdamW).
 OPTIMIZER_GOALS = {"LLaMA-3.2-3B, 14 layers, r=32": ("ms", 2.5), "LLaMA-3.1-8B, r=32": ("× foreach", 1.5)}
 
 
@@ -333,7 +333,7 @@ def fora_options(ctx: Run) -> dict[str, tuple]:
 
 # ------------------------------------------------------------------------------------------- (a2) more step rows
 def step_rows(ctx: Run) -> list[step_time.Row]:
-    """Issue 35's rows beside (a)'s grid, checkpointing off: lora (all layers), fg-lora and fora (top half) with
+    """More rows beside (a)'s grid, checkpointing off: lora (all layers), fg-lora and fora (top half) with
     gradient accumulation 4 (the paper's) and on the paper's kind of data (the commonsense mix, padded per batch up to
     seq_len); the frozen base alone on either data."""
     options = fora_options(ctx)
@@ -384,7 +384,7 @@ def section_step_rows(ctx: Run) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------------------- (a3) the fast path
-# Issue 36's combinations: name -> (FoRAConfig fields, SFTConfig fields). The input cast is off by default.
+# The fast path's combinations: name -> (FoRAConfig fields, SFTConfig fields). The input cast is off by default.
 FAST_PATH = {
     "PEFT's input cast": ((("input_cast", "peft"),), ()),
     "input cast off": ((), ()),

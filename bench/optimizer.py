@@ -6,8 +6,8 @@ For each set of lora_B shapes it prints, side by side from one run:
   per step after synchronising (median over interleaved rounds, so a change in the machine's load hits every line
   alike) of ``AdamW(fused=True)``, ``AdamW(foreach=True)``, Cayley-Adam before the stacked storage (the old step,
   kept in ``bench/reference_cayley_adam.py``), Cayley-Adam on stacked storage whose views were the parameters (the
-  step at ``--stacked-rev``, imported from git: issue 19's design, which issue 30 replaced because a parameter must
-  own its storage), Cayley-Adam at ``--previous-rev`` (issue 30's copies of [B, m] into a buffer per bucket),
+  step at ``--stacked-rev``, imported from git, replaced because a parameter must own its storage), Cayley-Adam at
+  ``--previous-rev`` (copies of [B, m] into a buffer per bucket),
   Cayley-Adam now (the defaults: eager, matrix by matrix on the CPU and a dense buffer per bucket on a GPU) and each
   of its implementations forced, eager and on a GPU captured as a CUDA graph, and the step's two essential matmuls
   alone: the Gram matrix [B, m]ᵀ[B, m] and the update [B, m]·C of every shape bucket (about 16·r flops per entry);
@@ -67,9 +67,9 @@ SETS = [
 
 
 DEVICE = torch.device("cpu")
-# The last revision whose Cayley-Adam kept lora_B as views into its stacks (issue 19; replaced in issue 30).
+# The last revision whose Cayley-Adam kept lora_B as views into its stacks.
 STACKED_REV = "42ed290"
-# The last revision whose Cayley-Adam copied [B, m] of each shape bucket into one buffer (issue 30; replaced in 35).
+# The last revision whose Cayley-Adam copied [B, m] of each shape bucket into one buffer (before the three-phase step).
 PREVIOUS_REV = "c19dc8c"
 OLDER: dict[str, type] = {}  # label -> CayleyAdam of an older revision, where git can give it
 

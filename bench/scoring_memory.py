@@ -13,7 +13,7 @@ why a couple of steps suffice). Each run is a fresh subprocess:
 - ``lora``: plain LoRA on every layer (``fora_mode: lora``), the same number of steps;
 - ``qfora`` and ``qfora, layers given``: the first two on the 4-bit NF4 base (QLoRA's quantisation, as in
   ``example_configs/qfora_llama3_8b.yaml``), where every decoder linear is a ``Linear4bit`` scored from its input x
-  and output gradient g. Under checkpointing, x must not outlive the forward (issue 18): these rows show it.
+  and output gradient g. Under checkpointing, x must not outlive the forward: these rows show it.
 
 Memory is the resident set (RSS) read from ``/proc/self/status``: ``VmHWM`` is the kernel's own high-water mark of the
 RSS, so no sampling can miss a peak. Writing ``5`` to ``/proc/self/clear_refs`` resets it, which gives the peak of

@@ -28,7 +28,7 @@ timed steps after the warm-up ones. On a GPU, peak memory is
 CPU, ``--live-memory`` counts the peak of live tensor bytes with the storage tracker ``fora plan`` simulates
 (:class:`fora_plugin.plan.memory.LiveTensorTracker`; it slows the step, so the times are then not worth reading).
 
-    python bench/step_time.py                                  # CPU: issue 29's setting, a few minutes on 2 cores
+    python bench/step_time.py                                  # CPU: the CPU setting, a few minutes on 2 cores
     python bench/step_time.py --threads 1 --clock cpu          # the same on a busy machine
     python bench/step_time.py --device cuda --setting llama-3.2-3b --json step_time.json   # the paper's table
 """
@@ -97,7 +97,7 @@ def _bundled_llama_3b() -> Any:
 
 
 SETTINGS = {
-    # Issue 29's CPU setting: 16 layers, hidden 512, vocabulary 8192, so that the decoder layers (not the head)
+    # The CPU setting: 16 layers, hidden 512, vocabulary 8192, so that the decoder layers (not the head)
     # dominate the step, as in a 3B-70B model.
     "cpu": Setting(
         "Llama 16 layers, hidden 512, vocab 8192, fp32",
@@ -665,7 +665,7 @@ def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
 
 
 def format_ratio_table(rows: list[dict[str, Any]]) -> str:
-    """Issue 29's table: ms/step of lora (all layers), fg-lora and fora per placement, and the ratios; a line per
+    """The step-time table: ms/step of lora (all layers), fg-lora and fora per placement, and the ratios; a line per
     kind of row (data, accumulation, options) besides checkpointing and placement, and the frozen base's where
     measured."""
     lines = [
@@ -725,7 +725,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 
 def format_optimizer_phase(rows: list[dict[str, Any]]) -> str:
-    """The optimizer phase of fora against fg-lora's on the same layers (issue 35's goal: at most 1.5 ms more)."""
+    """The optimizer phase of fora against fg-lora's on the same layers (the goal: at most 1.5 ms more)."""
     lines = [
         "| checkpointing | placement | row | fg-lora phase ms | fora phase ms | fora − fg-lora ms "
         "| fora optimizer.step ms | fora host ms |",
