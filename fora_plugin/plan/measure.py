@@ -28,6 +28,7 @@ from ..training import fora_optimizer
 from ..wiring import readapt_lora
 from .engine_rules import ENGINES
 from .fake_model import (
+    cast_lora,
     dequantized_during_matmul,
     four_bit_linears,
     lora_optimizer,
@@ -197,6 +198,8 @@ def _step_phases(
         fora = dataclasses.replace(setup.fora, mode=stiefel_mode, scores_path=None)
         with torch.device("meta"):
             readapt_lora(model, plan_selection(setup, model.get_base_model(), planned), fora, seed=0)
+    if setup.lora_dtype is not None:
+        cast_lora(model, setup.lora_dtype)  # as the engine casts them; each mode's optimizer keeps fp32 masters
     with fake_mode:
         linears = prepare_fake_model(setup, model, fake_mode, device, stop_backward=bool(fora_modes))
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -225,6 +228,10 @@ def _step_phases(
                     # The fake step runs eager (a capture needs real CUDA tensors); what a capture keeps is added
                     # below (_captured_step_bytes).
                     fora = dataclasses.replace(setup.fora, mode=mode, cuda_graph=None)
+                    if setup.lora_dtype is not None:
+                        # FoRA's optimizer for low-precision adapters: MasterAdamW's fp32 masters stand for
+                        # DeepSpeed's fp32 partitions (the same bytes); Cayley-Adam keeps its own for lora_B.
+                        fora = dataclasses.replace(fora, adapter_dtype="bfloat16")
                     optimizer = fora_optimizer(trainer_view(setup, model), model, fora)
                     # The step's buffers as on the device planned for, not as on this CPU the fake tensors name.
                     implementation = resolve_implementation(None, torch.device(setup.loss_head_device))
