@@ -248,6 +248,14 @@ def test_deepspeed_bf16_is_planned_with_bf16_lora_and_fp32_masters(tmp_path):
     stiefel = phases["fora"]["step"].peak["stiefel"] - fp32_step.peak["stiefel"]
     assert stiefel == 4 * 2 * lora_b  # the fp32 masters (the peak is the forward's: no lora_B gradient alive)
     assert plan_setup(config, ["--deepspeed", str(ds), "--bf16", "false"], gpus=2).lora_dtype is None  # "auto"
+    # ZeRO-3 partitions each Stiefel lora_B too: DeepSpeed's fp32 partition of it, beside Cayley-Adam's whole master.
+    zero3 = tmp_path / "zero3.json"
+    zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}))
+    setup = plan_setup(config, ["--deepspeed", str(zero3), "--bf16", "true"], gpus=2)
+    step = run_plan(setup, modes=("fora",))["phases"]["fora"]["step"]
+    assert step.peak["lora_params"] == -(-2 * step.trainable // 2)
+    assert step.peak["optimizer_states"] == -(-(12 * 2 * lora_a + 4 * 2 * len(TARGETS) + 4 * 2 * lora_b) // 2)
+    assert step.peak["stiefel"] == phases["fora"]["step"].peak["stiefel"]  # whole on every GPU, as under ZeRO-2
 
 
 def test_a_captured_step_is_planned_with_its_static_gradients_and_graph_pool(tmp_path):
@@ -298,10 +306,12 @@ def test_plan_command_writes_json_and_png_and_names_the_fix(tmp_path, capsys):
 
 def test_sharded_engines_divide_what_they_shard(tmp_path):
     config = write_config(tmp_path, dtype="bfloat16")
-    single = run_plan(plan_setup(config, []), modes=("lora",))["phases"]["lora"]["step"]
     zero3 = tmp_path / "zero3.json"
     zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}))
     setup = plan_setup(config, ["--deepspeed", str(zero3)], gpus=4)
+    # The same run on one GPU: with the LoRA weights in the dtype DeepSpeed's bf16 mode casts them to.
+    single = dataclasses.replace(plan_setup(config, []), lora_dtype=setup.lora_dtype)
+    single = run_plan(single, modes=("lora",))["phases"]["lora"]["step"]
     result = run_plan(setup, modes=("lora",))
     sharded = result["phases"]["lora"]["step"]
     assert sharded.peak["weights"] == -(-single.peak["weights"] // 4)

@@ -121,6 +121,27 @@ def _peak(tracker, kinds: _Kinds, live: dict[int, int]) -> dict[str, int]:
 _STATIC_GRADS, _GRAPH_POOL = -1, -2
 # DeepSpeed's gradient reduction buffers (PlanSetup.reduce_buffers): allocated by the engine, alive in the backward.
 _REDUCE_BUFFERS = -3
+# The engine's fp32 partitions that the planned optimizer holds no master for (_engine_fp32_partitions).
+_FP32_PARTITIONS = -4
+
+
+def _engine_fp32_partitions(setup: PlanSetup, model: nn.Module, optimizer, stiefel: set[int]) -> int:
+    """Bytes of the fp32 copies the engine's optimizer steps (its rule's ``fp32_partitions``, unsharded) beyond what
+    the planned optimizer holds: a MasterAdamW master is the fp32 partition of its weight, but an fp32 weight that
+    ZeRO-1/2 clones has none, nor has a Stiefel lora_B under ZeRO-3, whose Cayley-Adam master is the client's whole
+    copy beside DeepSpeed's partition."""
+    rule = ENGINES[setup.engine]
+    if rule.fp32_partitions is None:
+        return 0
+    nbytes = 0
+    for p in model.parameters():
+        if not p.requires_grad or (id(p) in stiefel and rule.fp32_partitions == "euclidean"):
+            continue
+        if id(p) not in stiefel and "master" in optimizer.state.get(p, {}):
+            continue
+        if p.dtype != torch.float32 or rule.fp32_partitions_of_fp32:
+            nbytes += 4 * p.numel()
+    return nbytes
 
 
 def _captured_step_bytes(
@@ -257,7 +278,10 @@ def _step_phases(
                 )
                 step_peak = tracker.peak_live()
                 captured = _captured_step_bytes(setup, model, stiefel, tracker, step_peak, before, kept)
+                partitions = _engine_fp32_partitions(setup, model, optimizer, stiefel)
+                kept.update({_FP32_PARTITIONS: partitions} if partitions else {})
                 kind = _Kinds({**kinds.kind, **dict.fromkeys([*stiefel_uids, *captured], "stiefel")})
+                kind.mark([_FP32_PARTITIONS], "optimizer_states")
                 flops = backward_flops + tracker.flops - flops
                 phases[mode] = [
                     *(
@@ -266,7 +290,15 @@ def _step_phases(
                     ),
                     # A replayed step runs in the pool it holds: the eager step's own buffers are that pool.
                     Phase(
-                        _peak(tracker, kind, {**step_peak, _STATIC_GRADS: captured.get(_STATIC_GRADS, 0)}),
+                        _peak(
+                            tracker,
+                            kind,
+                            {
+                                **step_peak,
+                                _STATIC_GRADS: captured.get(_STATIC_GRADS, 0),
+                                _FP32_PARTITIONS: partitions,
+                            },
+                        ),
                         flops,
                         trainable,
                     ),

@@ -1,8 +1,8 @@
 """The LoRA parameters and optimizer states a real bf16 DeepSpeed ZeRO-2 engine keeps; run by tests/test_zero.py.
 
 ``torchrun --nproc_per_node 1 zero_precision.py OUT_DIR`` builds zero_engine's tiny Llama (LoRA r=4 on
-``ADAPTED_LAYERS``, or on every layer for plain LoRA) under ``bf16.enabled`` for each mode of ``MODES``, takes one
-optimizer step, and writes to ``OUT_DIR/precision.json``, per mode, the dtypes and bytes of the module's LoRA
+``ADAPTED_LAYERS``, or on every layer for plain LoRA) for each mode and bf16 setting of ``VARIANTS``, takes one
+optimizer step, and writes to ``OUT_DIR/precision.json``, per variant, the dtypes and bytes of the module's LoRA
 parameters, of DeepSpeed's fp32 partitions, of the state its base optimizer keeps on them and of FoRA's Cayley-Adam
 state (tensors of one element, the step counts, apart).
 """
@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import TARGETS, tiny_llama  # noqa: E402
 
 
-MODES = ("fora", "fg-lora", "lora")
+# name -> (mode, bf16.enabled)
+VARIANTS = {"fora": ("fora", True), "fg-lora": ("fg-lora", True), "lora": ("lora", True), "fora-fp32": ("fora", False)}
 ZERO = {"stage": 2, "overlap_comm": False, "contiguous_gradients": True}
 
 
@@ -56,7 +57,7 @@ def build(mode: str):
     return model, build_fora_optimizer(model, **zero_engine.optimizer_kwargs(), stiefel_params=())  # fg-lora
 
 
-def capture(mode: str) -> dict:
+def capture(mode: str, bf16: bool) -> dict:
     import deepspeed
 
     model, optimizer = build(mode)
@@ -65,7 +66,7 @@ def capture(mode: str) -> dict:
         "gradient_accumulation_steps": 1,
         "zero_optimization": ZERO,
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": bf16},
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     if hasattr(optimizer, "bind"):
@@ -92,7 +93,7 @@ def capture(mode: str) -> dict:
 def main(out_dir: str) -> None:
     import torch.distributed as dist
 
-    results = {mode: capture(mode) for mode in MODES}
+    results = {name: capture(mode, bf16) for name, (mode, bf16) in VARIANTS.items()}
     Path(out_dir, "precision.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 
