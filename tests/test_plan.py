@@ -225,7 +225,7 @@ def test_deepspeed_bf16_is_planned_with_bf16_lora_and_fp32_masters(tmp_path):
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}))
     setup = plan_setup(config, ["--deepspeed", str(ds), "--bf16", "true"], gpus=2)
     assert setup.lora_dtype == setup.dtype == torch.bfloat16
-    assert any(n.startswith("precision: DeepSpeed's bfloat16 mode casts every parameter") for n in setup.notes)
+    assert any(n.startswith("precision: DeepSpeed's bfloat16 mode casts every float parameter") for n in setup.notes)
     phases = run_plan(setup, modes=("fora", "fg-lora", "lora"))["phases"]
     lora_b = (HIDDEN + 2 * KV_HEADS * HIDDEN // HEADS + INTERMEDIATE + HIDDEN) * 4  # per layer, r 4
     lora_a = (3 * HIDDEN + INTERMEDIATE + HIDDEN) * 4  # q, k, v, down, up's d_in

@@ -379,10 +379,10 @@ def plan_setup(
         kind = str(engine_dtype).removeprefix("torch.")
         cast = f" (the {str(dtype).removeprefix('torch.')} base too)" if dtype != engine_dtype else ""
         notes.append(
-            f"precision: DeepSpeed's {kind} mode casts every parameter to {kind}{cast}, LoRA's included: planned "
-            f"as {kind} LoRA weights with fp32 masters and fp32 AdamW moments, as the engine keeps them (DeepSpeed's "
-            "fp32 partitions of what it steps, divided by the GPUs under ZeRO; Cayley-Adam's master of each Stiefel "
-            "lora_B, whole on every GPU)"
+            f"precision: DeepSpeed's {kind} mode casts every float parameter to {kind}{cast}, LoRA's included: "
+            f"planned as {kind} LoRA weights with fp32 masters and fp32 AdamW moments, as the engine keeps them "
+            "(DeepSpeed's fp32 partitions of what it steps, divided by the GPUs under ZeRO; Cayley-Adam's master of "
+            "each Stiefel lora_B, whole on every GPU)"
         )
         dtype = engine_dtype
     autocast = torch.bfloat16 if training_args.bf16 else torch.float16 if training_args.fp16 else None
