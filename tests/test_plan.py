@@ -451,7 +451,8 @@ def test_zero_keeps_the_stiefel_part_whole_on_every_gpu(tmp_path, stage):
     fora, one = result["phases"]["fora"]["step"].peak, single["fora"]["step"].peak
     # Per Stiefel lora_B (d_out x r 4, fp32): Cayley-Adam's first moment, whole on every rank, at least.
     d_out = (HIDDEN + 2 * KV_HEADS * HIDDEN // HEADS + INTERMEDIATE + HIDDEN) * (LAYERS // 2)
-    assert fora["stiefel"] == one["stiefel"] >= d_out * 4 * 4
+    # Zero3FoRAOptimizer steps each lora_B on a whole fp32 copy of its own (gathered from DeepSpeed's partition).
+    assert fora["stiefel"] == one["stiefel"] + (4 * d_out * 4 if stage == 3 else 0) >= d_out * 4 * 4
     # lora_A's AdamW states; under ZeRO-1/2 also DeepSpeed's fp32 partition of lora_A, a copy even of fp32 weights
     # (ZeRO-3 steps an fp32 partition in place).
     partitions = 4 * (4 * HIDDEN + INTERMEDIATE) * 4 * (LAYERS // 2) if stage != 3 else 0  # d_in x r 4, fp32

@@ -98,6 +98,9 @@ class EngineSharding:
     fp32_partitions: str | None = None
     # Whether an fp32 parameter gets that copy too (ZeRO-1/2 clone it; ZeRO-3 steps an fp32 partition in place).
     fp32_partitions_of_fp32: bool = False
+    # Whether FoRA's client steps each Stiefel lora_B on its own whole fp32 copy, also of an fp32 lora_B
+    # (Zero3FoRAOptimizer gathers the partition into it).
+    stiefel_fp32_copy: bool = False
 
     def __post_init__(self) -> None:
         unknown = {*self.shards, *self.shards_scoring, *self.whole} - set(PARTS)
@@ -144,6 +147,7 @@ ENGINES: MappingProxyType[str, EngineSharding] = MappingProxyType(
             gathered_outside="head",
             scoring_linear_grad="activations",
             fp32_partitions="trainable",
+            stiefel_fp32_copy=True,
         ),
         # fully_shard: lora_B and its Cayley state are row-sharded; scoring holds the whole model (before sharding).
         "fsdp2": EngineSharding(

@@ -121,27 +121,32 @@ def _peak(tracker, kinds: _Kinds, live: dict[int, int]) -> dict[str, int]:
 _STATIC_GRADS, _GRAPH_POOL = -1, -2
 # DeepSpeed's gradient reduction buffers (PlanSetup.reduce_buffers): allocated by the engine, alive in the backward.
 _REDUCE_BUFFERS = -3
-# The engine's fp32 partitions that the planned optimizer holds no master for (_engine_fp32_partitions).
-_FP32_PARTITIONS = -4
+# The engine's fp32 copies that the planned optimizer holds no master for (_engine_fp32_copies): its partitions, and
+# the whole copies of the Stiefel lora_B.
+_FP32_PARTITIONS, _STIEFEL_FP32_COPIES = -4, -5
 
 
-def _engine_fp32_partitions(setup: PlanSetup, model: nn.Module, optimizer, stiefel: set[int]) -> int:
-    """Bytes of the fp32 copies the engine's optimizer steps (its rule's ``fp32_partitions``, unsharded) beyond what
-    the planned optimizer holds: a MasterAdamW master is the fp32 partition of its weight, but an fp32 weight that
-    ZeRO-1/2 clones has none, nor has a Stiefel lora_B under ZeRO-3, whose Cayley-Adam master is the client's whole
-    copy beside DeepSpeed's partition."""
+def _engine_fp32_copies(setup: PlanSetup, model: nn.Module, optimizer, stiefel: set[int]) -> tuple[int, int]:
+    """Bytes of the fp32 copies the engine's optimizer steps beyond what the planned optimizer holds, unsharded: its
+    partitions (the rule's ``fp32_partitions``) and the whole copies of the Stiefel lora_B (``stiefel_fp32_copy``).
+
+    A MasterAdamW master is the fp32 partition of its weight, but an fp32 weight that ZeRO-1/2 clones has none, nor
+    has a Stiefel lora_B under ZeRO-3, whose Cayley-Adam master (of a bf16 lora_B) is the client's whole copy beside
+    DeepSpeed's partition; an fp32 lora_B has no master to stand for that whole copy."""
     rule = ENGINES[setup.engine]
-    if rule.fp32_partitions is None:
-        return 0
-    nbytes = 0
+    partitions = copies = 0
     for p in model.parameters():
-        if not p.requires_grad or (id(p) in stiefel and rule.fp32_partitions == "euclidean"):
+        if not p.requires_grad:
+            continue
+        if id(p) in stiefel and rule.stiefel_fp32_copy and "master" not in optimizer.state.get(p, {}):
+            copies += 4 * p.numel()
+        if rule.fp32_partitions is None or (id(p) in stiefel and rule.fp32_partitions == "euclidean"):
             continue
         if id(p) not in stiefel and "master" in optimizer.state.get(p, {}):
             continue
         if p.dtype != torch.float32 or rule.fp32_partitions_of_fp32:
-            nbytes += 4 * p.numel()
-    return nbytes
+            partitions += 4 * p.numel()
+    return partitions, copies
 
 
 def _captured_step_bytes(
@@ -278,10 +283,12 @@ def _step_phases(
                 )
                 step_peak = tracker.peak_live()
                 captured = _captured_step_bytes(setup, model, stiefel, tracker, step_peak, before, kept)
-                partitions = _engine_fp32_partitions(setup, model, optimizer, stiefel)
-                kept.update({_FP32_PARTITIONS: partitions} if partitions else {})
+                partitions, copies = _engine_fp32_copies(setup, model, optimizer, stiefel)
+                engine = {k: v for k, v in ((_FP32_PARTITIONS, partitions), (_STIEFEL_FP32_COPIES, copies)) if v}
+                kept.update(engine)
                 kind = _Kinds({**kinds.kind, **dict.fromkeys([*stiefel_uids, *captured], "stiefel")})
                 kind.mark([_FP32_PARTITIONS], "optimizer_states")
+                kind.mark([_STIEFEL_FP32_COPIES], "stiefel")
                 flops = backward_flops + tracker.flops - flops
                 phases[mode] = [
                     *(
@@ -296,7 +303,7 @@ def _step_phases(
                             {
                                 **step_peak,
                                 _STATIC_GRADS: captured.get(_STATIC_GRADS, 0),
-                                _FP32_PARTITIONS: partitions,
+                                **engine,
                             },
                         ),
                         flops,
