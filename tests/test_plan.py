@@ -216,6 +216,48 @@ def test_bf16_adapters_are_planned_with_their_fp32_masters(tmp_path):
         assert step.peak["optimizer_states"] == state_bytes * step.trainable + 4 * matrices
 
 
+def test_deepspeed_bf16_is_planned_with_bf16_lora_and_fp32_masters(tmp_path):
+    """DeepSpeed's bf16 mode casts every parameter to bf16, LoRA's included (an fp32 base too); its ZeRO-2 optimizer
+    keeps fp32 partitions (the masters) and fp32 moments, divided by the GPUs, and FoRA's Cayley-Adam an fp32 master of
+    each Stiefel lora_B, whole on every GPU. "auto" follows the Trainer's bf16; without it the LoRA stays fp32."""
+    config = write_config(tmp_path, dtype="float32", activation_checkpointing=False, fora_layers=[1, 3])
+    ds = tmp_path / "zero2.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}))
+    setup = plan_setup(config, ["--deepspeed", str(ds), "--bf16", "true"], gpus=2)
+    assert setup.lora_dtype == setup.dtype == torch.bfloat16
+    assert any(n.startswith("precision: DeepSpeed's bfloat16 mode casts every float parameter") for n in setup.notes)
+    phases = run_plan(setup, modes=("fora", "fg-lora", "lora"))["phases"]
+    lora_b = (HIDDEN + 2 * KV_HEADS * HIDDEN // HEADS + INTERMEDIATE + HIDDEN) * 4  # per layer, r 4
+    lora_a = (3 * HIDDEN + INTERMEDIATE + HIDDEN) * 4  # q, k, v, down, up's d_in
+    for mode, layers, stiefel_b in (("fora", 2, True), ("fg-lora", 2, False), ("lora", LAYERS, False)):
+        step = phases[mode]["step"]
+        euclidean = layers * (lora_a + (0 if stiefel_b else lora_b))
+        matrices = layers * len(TARGETS) * (1 if stiefel_b else 2)
+        assert step.trainable == layers * (lora_a + lora_b)
+        assert step.peak["lora_params"] == 2 * step.trainable, mode  # bf16, whole on every GPU under ZeRO-2
+        # fp32 master and two fp32 moments per element, a step count per matrix: divided by the 2 GPUs.
+        assert step.peak["optimizer_states"] == -(-(12 * euclidean + 4 * matrices) // 2), mode
+    # Cayley-Adam's fp32 master is whole on every GPU: 4 bytes per lora_B element more than with fp32 lora_B.
+    plain = tmp_path / "fp32.json"
+    plain.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": False}}))
+    fp32 = plan_setup(config, ["--deepspeed", str(plain), "--bf16", "true"], gpus=2)
+    assert fp32.lora_dtype is None and fp32.dtype == torch.float32
+    assert not any(n.startswith("precision:") for n in fp32.notes)
+    fp32_step = run_plan(fp32, modes=("fora",))["phases"]["fora"]["step"]
+    assert fp32_step.peak["lora_params"] == 4 * fp32_step.trainable
+    stiefel = phases["fora"]["step"].peak["stiefel"] - fp32_step.peak["stiefel"]
+    assert stiefel == 4 * 2 * lora_b  # the fp32 masters (the peak is the forward's: no lora_B gradient alive)
+    assert plan_setup(config, ["--deepspeed", str(ds), "--bf16", "false"], gpus=2).lora_dtype is None  # "auto"
+    # ZeRO-3 partitions each Stiefel lora_B too: DeepSpeed's fp32 partition of it, beside Cayley-Adam's whole master.
+    zero3 = tmp_path / "zero3.json"
+    zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}))
+    setup = plan_setup(config, ["--deepspeed", str(zero3), "--bf16", "true"], gpus=2)
+    step = run_plan(setup, modes=("fora",))["phases"]["fora"]["step"]
+    assert step.peak["lora_params"] == -(-2 * step.trainable // 2)
+    assert step.peak["optimizer_states"] == -(-(12 * 2 * lora_a + 4 * 2 * len(TARGETS) + 4 * 2 * lora_b) // 2)
+    assert step.peak["stiefel"] == phases["fora"]["step"].peak["stiefel"]  # whole on every GPU, as under ZeRO-2
+
+
 def test_a_captured_step_is_planned_with_its_static_gradients_and_graph_pool(tmp_path):
     """cuda_graph keeps, from the capture on, a static copy of each Stiefel lora_B gradient and the graph's pool,
     which holds at least the staged step's stacked copies of B and G. Planned before, it raised a traceback (the
@@ -264,10 +306,12 @@ def test_plan_command_writes_json_and_png_and_names_the_fix(tmp_path, capsys):
 
 def test_sharded_engines_divide_what_they_shard(tmp_path):
     config = write_config(tmp_path, dtype="bfloat16")
-    single = run_plan(plan_setup(config, []), modes=("lora",))["phases"]["lora"]["step"]
     zero3 = tmp_path / "zero3.json"
     zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}))
     setup = plan_setup(config, ["--deepspeed", str(zero3)], gpus=4)
+    # The same run on one GPU: with the LoRA weights in the dtype DeepSpeed's bf16 mode casts them to.
+    single = dataclasses.replace(plan_setup(config, []), lora_dtype=setup.lora_dtype)
+    single = run_plan(single, modes=("lora",))["phases"]["lora"]["step"]
     result = run_plan(setup, modes=("lora",))
     sharded = result["phases"]["lora"]["step"]
     assert sharded.peak["weights"] == -(-single.peak["weights"] // 4)
@@ -407,8 +451,12 @@ def test_zero_keeps_the_stiefel_part_whole_on_every_gpu(tmp_path, stage):
     fora, one = result["phases"]["fora"]["step"].peak, single["fora"]["step"].peak
     # Per Stiefel lora_B (d_out x r 4, fp32): Cayley-Adam's first moment, whole on every rank, at least.
     d_out = (HIDDEN + 2 * KV_HEADS * HIDDEN // HEADS + INTERMEDIATE + HIDDEN) * (LAYERS // 2)
-    assert fora["stiefel"] == one["stiefel"] >= d_out * 4 * 4
-    assert fora["optimizer_states"] == -(-one["optimizer_states"] // 4)  # lora_A's AdamW states
+    # Zero3FoRAOptimizer steps each lora_B on a whole fp32 copy of its own (gathered from DeepSpeed's partition).
+    assert fora["stiefel"] == one["stiefel"] + (4 * d_out * 4 if stage == 3 else 0) >= d_out * 4 * 4
+    # lora_A's AdamW states; under ZeRO-1/2 also DeepSpeed's fp32 partition of lora_A, a copy even of fp32 weights
+    # (ZeRO-3 steps an fp32 partition in place).
+    partitions = 4 * (4 * HIDDEN + INTERMEDIATE) * 4 * (LAYERS // 2) if stage != 3 else 0  # d_in x r 4, fp32
+    assert fora["optimizer_states"] == -(-(one["optimizer_states"] + partitions) // 4)
     assert "stiefel" not in result["phases"]["fg-lora"]["step"].peak  # AdamW on lora_B: all partitioned
     if stage == 3:
         return

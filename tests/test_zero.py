@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 import zero3_engine  # noqa: E402
 import zero_buckets  # noqa: E402
 import zero_engine  # noqa: E402
+import zero_precision  # noqa: E402
 
 
 HERE = Path(__file__).parent
@@ -894,3 +895,54 @@ def test_plan_counts_the_gradient_reduction_buffers_a_real_engine_allocates(buck
     buffers = plan_setup(str(config), ["--deepspeed", str(ds)], gpus=2).reduce_buffers
     assert buffers.nbytes == real
     assert str(buffers.dtype) == run["dtype"] == next(iter(run["during"]))
+
+
+@pytest.fixture(scope="module")
+def precision_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero_precision")
+    torchrun(HERE / "distributed" / "zero_precision.py", str(out), nproc=1)
+    return json.loads((out / "precision.json").read_text())
+
+
+def test_plan_counts_the_lora_weights_and_fp32_partitions_of_a_real_zero2_engine(precision_runs, tmp_path):
+    """A real ZeRO-2 engine (one rank) in bf16 makes every LoRA weight bf16 and keeps fp32 partitions (the masters)
+    and fp32 moments of what it steps, FoRA's Cayley-Adam an fp32 master and moment of each Stiefel lora_B; in fp32 it
+    still steps an fp32 copy of lora_A. `fora plan` plans the same bytes per mode: LoRA weights, AdamW states (but
+    one step count per matrix where the engine keeps one per flat group) and the Stiefel part (whose step-count
+    bookkeeping is the fake step's)."""
+    import dataclasses
+
+    import yaml
+
+    from fora_plugin.plan import measure, plan_setup
+
+    tiny_llama_config().save_pretrained(tmp_path / "model")
+    config = tmp_path / "config.yaml"
+    keys = {"model_name_or_path": str(tmp_path / "model"), "output_dir": str(tmp_path)}
+    lora = {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "fora_layers": zero_engine.ADAPTED_LAYERS}
+    config.write_text(yaml.safe_dump({**keys, **lora, "lora_target_modules": TARGETS, "report_to": "none"}))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": zero_precision.ZERO, "bf16": {"enabled": "auto"}}))
+    for name, (mode, bf16) in zero_precision.VARIANTS.items():
+        run = precision_runs[name]
+        overrides = ["--deepspeed", str(ds), "--max_length", str(zero_engine.SEQ_LEN), "--bf16", str(bf16).lower()]
+        setup = dataclasses.replace(plan_setup(str(config), overrides, gpus=1), loss_head_device="cpu")
+        phase = measure.measure(setup, (mode,), zero_engine.ADAPTED_LAYERS, scoring=False)[mode][0]
+        step = phase.peak  # the forward's candidate: the states alive, no gradient
+        dtype = "torch.bfloat16" if bf16 else "torch.float32"
+        assert run["lora_dtypes"] == run["base_dtypes"] == [dtype] == [str(setup.lora_dtype or setup.dtype)], name
+        assert run["partition_dtypes"] == ["torch.float32"], name
+        assert phase.trainable == run["lora_numel"], name
+        assert step["lora_params"] == run["lora_bytes"], name
+        # Euclidean matrices: lora_A, and lora_B where AdamW steps them (fg-lora, lora).
+        layers = len(zero_engine.ADAPTED_LAYERS) if mode != "lora" else 4
+        matrices = layers * len(TARGETS) * (1 if mode == "fora" else 2)
+        real = run["fp32_partitions"] + run["base_optimizer"]["tensors"]
+        assert step["optimizer_states"] - 4 * matrices == real, name
+        if mode == "fora":
+            master = 4 * run["stiefel_numel"] if bf16 else 0
+            assert run["stiefel"]["tensors"] == master + 4 * run["stiefel_numel"], name  # (master and) exp_avg
+            real = run["stiefel"]["tensors"] + run["stiefel"]["scalars"]
+            assert 0 <= step["stiefel"] - real < 4 * run["stiefel_numel"] // 2, name  # far below one master's bytes
+        else:
+            assert "stiefel" not in step and run["stiefel"] is None, name

@@ -92,11 +92,22 @@ class EngineSharding:
     scoring_linear_grad: str = "auto"
     # Gradient reduction buffers alive during each step's backward (not sharded: each rank allocates them whole).
     reduce_buckets: ReduceBuckets | None = None
+    # The trainable parameters whose fp32 copy the engine's optimizer steps (DeepSpeed ZeRO's fp32 partitions, counted
+    # with the optimizer states): "euclidean" (ZeRO-1/2, stage_1_and_2.py: FoRA's client keeps the Stiefel lora_B
+    # outside) or "trainable" (ZeRO-3, stage3.py: every one); None: the optimizer steps the parameters themselves.
+    fp32_partitions: str | None = None
+    # Whether an fp32 parameter gets that copy too (ZeRO-1/2 clone it; ZeRO-3 steps an fp32 partition in place).
+    fp32_partitions_of_fp32: bool = False
+    # Whether FoRA's client steps each Stiefel lora_B on its own whole fp32 copy, also of an fp32 lora_B
+    # (Zero3FoRAOptimizer gathers the partition into it).
+    stiefel_fp32_copy: bool = False
 
     def __post_init__(self) -> None:
         unknown = {*self.shards, *self.shards_scoring, *self.whole} - set(PARTS)
         if unknown or (self.gathered_outside is not None and self.gathered_outside not in GATHERED):
             raise ValueError(f"an engine rule names what PARTS and GATHERED do not: {self}")
+        if self.fp32_partitions not in (None, "euclidean", "trainable"):
+            raise ValueError(f"an engine rule's fp32_partitions is not None, 'euclidean' or 'trainable': {self}")
 
     @property
     def shards_weights(self) -> bool:
@@ -116,12 +127,16 @@ ENGINES: MappingProxyType[str, EngineSharding] = MappingProxyType(
             shards_scoring=("optimizer_states",),
             whole=_ZERO_WHOLE,
             reduce_buckets=_ZERO12_BUCKETS,
+            fp32_partitions="euclidean",
+            fp32_partitions_of_fp32=True,
         ),
         "zero2": EngineSharding(
             shards=("optimizer_states", "lora_grads"),
             shards_scoring=("optimizer_states", "lora_grads"),
             whole=_ZERO_WHOLE,
             reduce_buckets=_ZERO12_BUCKETS,
+            fp32_partitions="euclidean",
+            fp32_partitions_of_fp32=True,
         ),
         # Zero3FoRAOptimizer: every rank holds each whole fp32 lora_B and its Cayley state.
         "zero3": EngineSharding(
@@ -131,6 +146,8 @@ ENGINES: MappingProxyType[str, EngineSharding] = MappingProxyType(
             gathered_layers=2,
             gathered_outside="head",
             scoring_linear_grad="activations",
+            fp32_partitions="trainable",
+            stiefel_fp32_copy=True,
         ),
         # fully_shard: lora_B and its Cayley state are row-sharded; scoring holds the whole model (before sharding).
         "fsdp2": EngineSharding(

@@ -6,7 +6,7 @@ ones, answer the ``.item()`` calls of checkpointing and masking. A 4-bit bitsand
 quantized for fisher.py (scored from x and g, no weight gradient), with one dequantized weight alive during each of
 its matmuls. Also here: the pieces of a Trainer the plan's steps use (its view, batch, autocast, LoRA's AdamW).
 
-May import: backward, models, plan.setup, targets, training, wiring.
+May import: backward, models, optim, plan.setup, targets, training, wiring.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from trl.trainer import sft_trainer
 
 from ..backward import disable_input_require_grads, stop_backward_at_lowest_adapted_layer
 from ..models import meta_model
+from ..optim import MasterAdamW
 from ..targets import find_decoder_layers
 from ..training import checkpoint_as_in_training
 from ..wiring import choose_layers, set_input_cast
@@ -32,6 +33,7 @@ from .setup import PlanSetup, planned_layers
 
 __all__ = [
     "add_sft_loss_head",
+    "cast_lora",
     "dequantized_during_matmul",
     "four_bit_linears",
     "lora_optimizer",
@@ -58,11 +60,16 @@ def wrap_lora(setup: PlanSetup, base: nn.Module):
     with torch.device("meta"):  # adapters made on the host and moved would cost minutes at MoE scale
         model = get_peft_model(base, copy.deepcopy(setup.lora))
     if setup.four_bit is not None:  # SFTTrainer casts a k-bit base's adapters to bf16 (QLoRA)
-        for p in model.parameters():
-            if p.requires_grad:
-                p.data = p.data.to(torch.bfloat16)
+        cast_lora(model, torch.bfloat16)
     add_sft_loss_head(model)
     return model
+
+
+def cast_lora(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every trainable parameter of ``model`` (its LoRA weights) in ``dtype``."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.to(dtype)
 
 
 # TRL's add_fused_lm_head, where the installed SFTTrainer computes its loss through it (TRL 1.16: chunked
@@ -214,9 +221,15 @@ def prepare_fake_model(
 
 
 def lora_optimizer(setup: PlanSetup, model: nn.Module):
-    """The optimizer transformers.Trainer.create_optimizer builds for plain LoRA (decay and no-decay groups)."""
+    """The optimizer transformers.Trainer.create_optimizer builds for plain LoRA (decay and no-decay groups).
+
+    Where the engine casts LoRA to ``setup.lora_dtype`` (DeepSpeed's bf16 / fp16), its ZeRO or mixed-precision
+    optimizer steps the Trainer's AdamW on fp32 masters of the weights: planned as :class:`MasterAdamW` (an fp32 master
+    and fp32 moments per weight, the same bytes; the plan's sharding divides them under ZeRO)."""
     view = trainer_view(setup, model)
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(setup.training_args, model)
+    if setup.lora_dtype is not None and issubclass(cls, torch.optim.AdamW):
+        cls = MasterAdamW
     decay = set(view.get_decay_parameter_names(model))
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [

@@ -28,6 +28,7 @@ from ..training import fora_optimizer
 from ..wiring import readapt_lora
 from .engine_rules import ENGINES
 from .fake_model import (
+    cast_lora,
     dequantized_during_matmul,
     four_bit_linears,
     lora_optimizer,
@@ -120,6 +121,32 @@ def _peak(tracker, kinds: _Kinds, live: dict[int, int]) -> dict[str, int]:
 _STATIC_GRADS, _GRAPH_POOL = -1, -2
 # DeepSpeed's gradient reduction buffers (PlanSetup.reduce_buffers): allocated by the engine, alive in the backward.
 _REDUCE_BUFFERS = -3
+# The engine's fp32 copies that the planned optimizer holds no master for (_engine_fp32_copies): its partitions, and
+# the whole copies of the Stiefel lora_B.
+_FP32_PARTITIONS, _STIEFEL_FP32_COPIES = -4, -5
+
+
+def _engine_fp32_copies(setup: PlanSetup, model: nn.Module, optimizer, stiefel: set[int]) -> tuple[int, int]:
+    """Bytes of the fp32 copies the engine's optimizer steps beyond what the planned optimizer holds, unsharded: its
+    partitions (the rule's ``fp32_partitions``) and the whole copies of the Stiefel lora_B (``stiefel_fp32_copy``).
+
+    A MasterAdamW master is the fp32 partition of its weight, but an fp32 weight that ZeRO-1/2 clones has none, nor
+    has a Stiefel lora_B under ZeRO-3, whose Cayley-Adam master (of a bf16 lora_B) is the client's whole copy beside
+    DeepSpeed's partition; an fp32 lora_B has no master to stand for that whole copy."""
+    rule = ENGINES[setup.engine]
+    partitions = copies = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in stiefel and rule.stiefel_fp32_copy and "master" not in optimizer.state.get(p, {}):
+            copies += 4 * p.numel()
+        if rule.fp32_partitions is None or (id(p) in stiefel and rule.fp32_partitions == "euclidean"):
+            continue
+        if id(p) not in stiefel and "master" in optimizer.state.get(p, {}):
+            continue
+        if p.dtype != torch.float32 or rule.fp32_partitions_of_fp32:
+            partitions += 4 * p.numel()
+    return partitions, copies
 
 
 def _captured_step_bytes(
@@ -197,6 +224,8 @@ def _step_phases(
         fora = dataclasses.replace(setup.fora, mode=stiefel_mode, scores_path=None)
         with torch.device("meta"):
             readapt_lora(model, plan_selection(setup, model.get_base_model(), planned), fora, seed=0)
+    if setup.lora_dtype is not None:
+        cast_lora(model, setup.lora_dtype)  # as the engine casts them; each mode's optimizer keeps fp32 masters
     with fake_mode:
         linears = prepare_fake_model(setup, model, fake_mode, device, stop_backward=bool(fora_modes))
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -225,6 +254,10 @@ def _step_phases(
                     # The fake step runs eager (a capture needs real CUDA tensors); what a capture keeps is added
                     # below (_captured_step_bytes).
                     fora = dataclasses.replace(setup.fora, mode=mode, cuda_graph=None)
+                    if setup.lora_dtype is not None:
+                        # FoRA's optimizer for low-precision adapters: MasterAdamW's fp32 masters stand for
+                        # DeepSpeed's fp32 partitions (the same bytes); Cayley-Adam keeps its own for lora_B.
+                        fora = dataclasses.replace(fora, adapter_dtype="bfloat16")
                     optimizer = fora_optimizer(trainer_view(setup, model), model, fora)
                     # The step's buffers as on the device planned for, not as on this CPU the fake tensors name.
                     implementation = resolve_implementation(None, torch.device(setup.loss_head_device))
@@ -250,7 +283,12 @@ def _step_phases(
                 )
                 step_peak = tracker.peak_live()
                 captured = _captured_step_bytes(setup, model, stiefel, tracker, step_peak, before, kept)
+                partitions, copies = _engine_fp32_copies(setup, model, optimizer, stiefel)
+                engine = {k: v for k, v in ((_FP32_PARTITIONS, partitions), (_STIEFEL_FP32_COPIES, copies)) if v}
+                kept.update(engine)
                 kind = _Kinds({**kinds.kind, **dict.fromkeys([*stiefel_uids, *captured], "stiefel")})
+                kind.mark([_FP32_PARTITIONS], "optimizer_states")
+                kind.mark([_STIEFEL_FP32_COPIES], "stiefel")
                 flops = backward_flops + tracker.flops - flops
                 phases[mode] = [
                     *(
@@ -259,7 +297,15 @@ def _step_phases(
                     ),
                     # A replayed step runs in the pool it holds: the eager step's own buffers are that pool.
                     Phase(
-                        _peak(tracker, kind, {**step_peak, _STATIC_GRADS: captured.get(_STATIC_GRADS, 0)}),
+                        _peak(
+                            tracker,
+                            kind,
+                            {
+                                **step_peak,
+                                _STATIC_GRADS: captured.get(_STATIC_GRADS, 0),
+                                **engine,
+                            },
+                        ),
                         flops,
                         trainable,
                     ),

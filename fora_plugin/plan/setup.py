@@ -45,6 +45,7 @@ __all__ = [
     "ReduceBuffers",
     "find_model_config",
     "plan_setup",
+    "engine_param_dtype",
     "planned_layers",
     "planned_placement",
 ]
@@ -163,6 +164,9 @@ class PlanSetup:
     loss_head_device: str = "cuda"
     # DeepSpeed's gradient reduction buffers, alive during each step's backward (ZeRO-1/2); None: none counted.
     reduce_buffers: ReduceBuffers | None = None
+    # The dtype the engine casts the LoRA parameters to, the optimizers keeping their fp32 masters (DeepSpeed's bf16 /
+    # fp16 mode: engine_param_dtype); None: the dtype PEFT and FoRA give them.
+    lora_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.loss_head_device not in LOSS_HEAD_DEVICES:
@@ -237,6 +241,17 @@ def _hidden_size(hf_config: Any) -> int | None:
     return None
 
 
+def engine_param_dtype(ds: dict[str, Any], training_args: Any) -> torch.dtype | None:
+    """The dtype DeepSpeed's engine casts every parameter of the module to, LoRA's included (engine.py
+    ``_mixed_precision_dtypes`` and ``_cast_module_mixed_precision``): fp16 or bf16 where its block is enabled,
+    "auto" as HF fills it from the Trainer's fp16 / bf16; None where neither is (no cast, fp32 training)."""
+    for dtype, keys, arg in ((torch.float16, ("fp16",), "fp16"), (torch.bfloat16, ("bf16", "bfloat16"), "bf16")):
+        value = next(((ds.get(k) or {}).get("enabled") for k in keys if k in ds), False)
+        if bool(getattr(training_args, arg)) if value == "auto" else value is True:
+            return dtype
+    return None
+
+
 def _reduce_buffers(
     ds: dict[str, Any], engine: str, hf_config: Any, training_args: Any, name: str, notes: list[str]
 ) -> ReduceBuffers | None:
@@ -271,13 +286,8 @@ def _reduce_buffers(
             "dtype, or BF16_Optimizer in place of ZeRO-1's, depends on it; not modelled)"
         )
         return None
-    # DeepSpeed reduces in the dtype its engine casts the parameters to (its bf16 / fp16 blocks; "auto": the
-    # Trainer's bf16 / fp16).
-    enabled = {}
-    for dtype, keys, arg in ((torch.bfloat16, ("bf16", "bfloat16"), "bf16"), (torch.float16, ("fp16",), "fp16")):
-        value = next(((ds.get(k) or {}).get("enabled") for k in keys if k in ds), False)
-        enabled[dtype] = bool(getattr(training_args, arg)) if value == "auto" else value is True
-    dtype = next((d for d, on in enabled.items() if on), torch.float32)
+    # DeepSpeed reduces in the dtype its engine casts the parameters to.
+    dtype = engine_param_dtype(ds, training_args) or torch.float32
     count = rule.count(zero)
     if (ds.get("torch_autocast") or {}).get("enabled") is True:
         notes.append(
@@ -336,7 +346,7 @@ def plan_setup(
 
     check_one_engine(fsdp.get("fsdp") or fsdp.get("fsdp_config"), deepspeed)
     engine = "ddp" if gpus > 1 else "single"
-    reduce_buffers = None
+    reduce_buffers = engine_dtype = None
     if deepspeed:
         name = f"deepspeed={deepspeed!r}" if isinstance(deepspeed, str) else "deepspeed"
         ds = load_deepspeed_config(deepspeed)
@@ -344,6 +354,7 @@ def plan_setup(
         stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
         engine = f"zero{stage}" if stage else engine
         reduce_buffers = _reduce_buffers(ds, engine, hf_config, training_args, name, notes)
+        engine_dtype = engine_param_dtype(ds, training_args)
         if engine == "zero3":
             notes.append(
                 "zero3: DeepSpeed's own reduce bucket (reduce_bucket_size elements, allocated at its start) and its "
@@ -364,6 +375,16 @@ def plan_setup(
     if dtype in (None, "auto"):
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if engine_dtype is not None:
+        kind = str(engine_dtype).removeprefix("torch.")
+        cast = f" (the {str(dtype).removeprefix('torch.')} base too)" if dtype != engine_dtype else ""
+        notes.append(
+            f"precision: DeepSpeed's {kind} mode casts every float parameter to {kind}{cast}, LoRA's included: "
+            f"planned as {kind} LoRA weights with fp32 masters and fp32 AdamW moments, as the engine keeps them "
+            "(DeepSpeed's fp32 partitions of what it steps, divided by the GPUs under ZeRO; Cayley-Adam's master of "
+            "each Stiefel lora_B, whole on every GPU)"
+        )
+        dtype = engine_dtype
     autocast = torch.bfloat16 if training_args.bf16 else torch.float16 if training_args.fp16 else None
     four_bit = None
     if model_args.load_in_4bit:
@@ -423,6 +444,7 @@ def plan_setup(
         output_dir=Path(output or training_args.output_dir),
         notes=notes,
         reduce_buffers=reduce_buffers,
+        lora_dtype=engine_dtype,
     )
 
 
