@@ -33,22 +33,13 @@ def buffer_bytes(engine) -> dict[str, list[int]]:
 
 
 def capture(zero: dict, bf16: bool) -> dict:
-    import deepspeed
     import torch
 
     from fora_plugin.zero import build_zero_fora_optimizer
 
     model = zero_engine.build_model()
     optimizer = build_zero_fora_optimizer(model, **zero_engine.optimizer_kwargs())
-    config = {
-        "train_micro_batch_size_per_gpu": zero_engine.MICRO,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": bf16},
-    }
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    optimizer.bind(engine.optimizer)
+    engine, ids = zero_engine.probe_engine(model, optimizer, zero, bf16)
     during = []
 
     def on_output(module, args, output):
@@ -57,7 +48,6 @@ def capture(zero: dict, bf16: bool) -> dict:
 
     layer = engine.module.get_base_model().model.layers[zero_engine.ADAPTED_LAYERS[0]]
     handle = layer.register_forward_hook(on_output)
-    ids = zero_engine.global_batches()[0, : zero_engine.MICRO]
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     handle.remove()

@@ -102,6 +102,24 @@ def train_single_process(
     return lora_tensors(model), losses
 
 
+def probe_engine(model: torch.nn.Module, optimizer, zero: dict, bf16: bool):
+    """A DeepSpeed engine over ``model`` and ``optimizer`` (a FoRA ZeRO client is bound to it) taking one micro-batch
+    a step, for reading what the engine allocates; returns it and the first micro-batch."""
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bf16},
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if hasattr(optimizer, "bind"):
+        optimizer.bind(engine.optimizer)
+    return engine, global_batches()[0, :MICRO]
+
+
 def train_deepspeed(zero: dict, bf16: bool = False) -> dict:
     import deepspeed
     import torch.distributed as dist

@@ -58,20 +58,8 @@ def build(mode: str):
 
 
 def capture(mode: str, bf16: bool) -> dict:
-    import deepspeed
-
     model, optimizer = build(mode)
-    config = {
-        "train_micro_batch_size_per_gpu": zero_engine.MICRO,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": ZERO,
-        "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": bf16},
-    }
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    if hasattr(optimizer, "bind"):
-        optimizer.bind(engine.optimizer)
-    ids = zero_engine.global_batches()[0, : zero_engine.MICRO]
+    engine, ids = zero_engine.probe_engine(model, optimizer, ZERO, bf16)
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
     lora = [p for n, p in engine.module.named_parameters() if "lora_" in n]
