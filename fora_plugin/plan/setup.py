@@ -253,10 +253,11 @@ def engine_param_dtype(ds: dict[str, Any], training_args: Any) -> torch.dtype | 
 
 
 def _reduce_buffers(
-    ds: dict[str, Any], engine: str, hf_config: Any, training_args: Any, name: str, notes: list[str]
+    ds: dict[str, Any], engine: str, hf_config: Any, dtype: torch.dtype, name: str, notes: list[str]
 ) -> ReduceBuffers | None:
     """The gradient reduction buffers ``engine``'s rule allocates under the DeepSpeed config ``ds``: its
-    zero_optimization block with HF's "auto" values filled, read by DeepSpeed's own config model."""
+    zero_optimization block with HF's "auto" values filled, read by DeepSpeed's own config model. ``dtype``: the one
+    the engine casts the parameters to (:func:`engine_param_dtype`, fp32 where it casts none), which it reduces in."""
     rule = ENGINES[engine].reduce_buckets
     if rule is None:
         return None
@@ -286,8 +287,6 @@ def _reduce_buffers(
             "dtype, or BF16_Optimizer in place of ZeRO-1's, depends on it; not modelled)"
         )
         return None
-    # DeepSpeed reduces in the dtype its engine casts the parameters to.
-    dtype = engine_param_dtype(ds, training_args) or torch.float32
     count = rule.count(zero)
     if (ds.get("torch_autocast") or {}).get("enabled") is True:
         notes.append(
@@ -353,8 +352,8 @@ def plan_setup(
         check_deepspeed_config(ds, fora, name=name)
         stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
         engine = f"zero{stage}" if stage else engine
-        reduce_buffers = _reduce_buffers(ds, engine, hf_config, training_args, name, notes)
         engine_dtype = engine_param_dtype(ds, training_args)
+        reduce_buffers = _reduce_buffers(ds, engine, hf_config, engine_dtype or torch.float32, name, notes)
         if engine == "zero3":
             notes.append(
                 "zero3: DeepSpeed's own reduce bucket (reduce_bucket_size elements, allocated at its start) and its "
