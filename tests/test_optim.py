@@ -1097,3 +1097,68 @@ def test_a_cuda_graph_setting_that_is_not_a_bool_is_refused(value):
         CayleyAdam(stiefel_params([(8, 2)]), cuda_graph=value)
     with pytest.raises(ValueError, match=rf"cuda_graph={value!r} is invalid"):
         FoRAConfig(cuda_graph=value)
+
+
+class _LinalgCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """The linalg ops a step dispatches, each with whether the device's linear-algebra context was open then."""
+
+    def __init__(self, inside: list[bool]) -> None:
+        super().__init__()
+        self.inside, self.calls = inside, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "linalg" in func.__name__ and "norm" not in func.__name__:
+            self.calls.append((func.__name__, self.inside[-1]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("implementation", ["per_matrix", "staged"])
+@pytest.mark.parametrize("qr_period", [0, 1])  # the re-projection's Cholesky and triangular solve too
+def test_the_steps_linear_algebra_runs_in_the_devices_context(monkeypatch, implementation, qr_period):
+    # On CUDA that context puts torch's linear algebra on cuSOLVER: left to its heuristic torch factors a batch of more
+    # than 16 small matrices with MAGMA, which syncs the host at each call. A CPU stand-in context records where the
+    # step's Cholesky, LU and triangular solves run.
+    from fora_plugin.optim import cayley_adam as module
+
+    inside = [False]
+
+    @contextlib.contextmanager
+    def recording():
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setitem(module.LINEAR_ALGEBRA_CONTEXTS, "cpu", recording)
+    params = stiefel_params([(24, 3)] * 20 + [(16, 3)], seed=70)
+    opt = CayleyAdam(params, lr=0.05, qr_period=qr_period, implementation=implementation)
+    gen = torch.Generator().manual_seed(71)
+    for _ in range(2):  # the first step makes the state (a QR of each matrix, outside any step's algebra)
+        set_random_grads(params, gen)
+        with _LinalgCalls(inside) as mode:
+            opt.step()
+    names = {name for name, _ in mode.calls}
+    assert {"linalg_cholesky_ex.default", "linalg_solve_triangular.default"} <= names, names
+    assert any(name.startswith("linalg_lu_factor_ex") or name.startswith("_linalg_solve_ex") for name in names)
+    assert all(opened for _, opened in mode.calls), mode.calls
+    assert inside == [False]  # closed after the step
+
+
+def test_the_cuda_linear_algebra_context_sets_cusolver_and_restores_the_choice(monkeypatch):
+    from fora_plugin.optim import cayley_adam as module
+
+    chosen = ["magma"]  # a user's own choice before the step
+
+    def preferred(backend=None):
+        if backend is not None:
+            chosen.append(backend)
+        return chosen[-1]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_linalg_library", preferred)
+    with module.LINEAR_ALGEBRA_CONTEXTS["cuda"]():
+        assert chosen[-1] == "cusolver"
+    assert chosen[-1] == "magma"
+    with pytest.raises(RuntimeError, match="inside"), module.LINEAR_ALGEBRA_CONTEXTS["cuda"]():
+        raise RuntimeError("inside")
+    assert chosen[-1] == "magma"

@@ -8,10 +8,11 @@ May import: adapter, optim.dtensor, optim.masters, stiefel.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -35,6 +36,7 @@ __all__ = [
     "GRAPH_BACKENDS",
     "GRAPH_WARMUP_STEPS",
     "IMPLEMENTATIONS",
+    "LINEAR_ALGEBRA_CONTEXTS",
     "REPROJECT_THRESHOLD",
     "CayleyAdam",
     "bucket_key",
@@ -461,34 +463,63 @@ def _step_eagerly(
 
 # ------------------------------------------------------------------------------------------------------ captured
 def _capture_cuda(run: Callable[[], None], device: torch.device) -> Callable[[], None]:
-    """Run ``run`` once on a side stream, then capture it there in a CUDA graph; return the function that replays it.
+    """Run ``run`` once on the device's capture stream, then capture it there in a CUDA graph; return the function
+    that replays it.
 
     The run is the step of this iteration and the warm-up the CUDA-graph docs ask for: cuBLAS and cuSOLVER set up
-    their handles and workspaces for the stream outside the capture. cuSOLVER serves the linear algebra of both:
-    MAGMA's batched LU (torch's choice for a batch of more than 16 matrices) stages pointers in host memory, which a
-    capture cannot hold.
+    their handles and workspaces for the stream outside the capture. The step's linear algebra runs on cuSOLVER
+    (:data:`LINEAR_ALGEBRA_CONTEXTS`), which a capture can hold.
     """
-    previous = torch.backends.cuda.preferred_linalg_library()
-    torch.backends.cuda.preferred_linalg_library("cusolver")
-    try:
-        with torch.cuda.device(device):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                run()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                run()
-            torch.cuda.current_stream().wait_stream(stream)
-    finally:
-        torch.backends.cuda.preferred_linalg_library(previous)
+    with torch.cuda.device(device):
+        stream = _CAPTURE_STREAMS.get(device)
+        if stream is None:
+            stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
     return graph.replay
+
+
+# CUDA device -> the side stream every capture there warms up and captures on. One per device, as torch's own
+# torch.cuda.graph keeps one: cuBLAS keeps a workspace for each stream it has run on (32 MiB on an H100) until the
+# process ends, so a new stream per capture would leave one more behind at each capture.
+_CAPTURE_STREAMS: dict[torch.device, Any] = {}
 
 
 # device type -> how a step is captured there, ``capture(run, device) -> replay``: ``run`` runs once (the step of
 # that iteration), then its kernels are captured without running. The tests add a stand-in for the CPU that records
 # the aten ops and replays them on the same tensors, as a CUDA graph does.
 GRAPH_BACKENDS: dict[str, Callable[[Callable[[], None], torch.device], Callable[[], None]]] = {"cuda": _capture_cuda}
+
+
+@contextlib.contextmanager
+def _cusolver() -> Iterator[None]:
+    """torch's CUDA linear algebra on cuSOLVER and cuBLAS for the duration, the previous choice restored after.
+
+    Left to its heuristic, torch 2.11 factors a batch of more than 16 matrices of order 17 to 128 (the step's 2r x 2r
+    systems, one per matrix) with MAGMA, which synchronises the device with the host at each call and stages
+    pointers in host memory that a CUDA graph cannot hold: host syncs that torch's sync debug mode does not see, and
+    no capture.
+    """
+    if torch.compiler.is_compiling():  # a global setting, not something a compiled graph can hold
+        yield
+        return
+    previous = torch.backends.cuda.preferred_linalg_library()
+    torch.backends.cuda.preferred_linalg_library("cusolver")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_linalg_library(previous)
+
+
+# device type -> the context the step's small linear algebra (Cholesky factors, triangular and LU solves of 2r x 2r
+# matrices) runs in there; none on other devices.
+LINEAR_ALGEBRA_CONTEXTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {"cuda": _cusolver}
+
 # Eager steps of a group before its step is captured: the first makes the state, the second steps it as every later
 # step will (the capture's own run, the third, is then the warm-up on the capture stream).
 GRAPH_WARMUP_STEPS = 2
@@ -738,7 +769,8 @@ def _rank_step(buckets: list[list[list]], settings: _Settings, cache: dict, impl
     v, step, skipped, reprojected = (torch.stack(ts).reshape(n) for ts in scalar_lists)
     counts = torch.stack((skipped, reprojected))  # (2, n)
     finite = grad_sq < math.inf  # False for inf and nan (one op, where isfinite takes four)
-    delta = _cayley_adam_deltas(gram, grad_sq, finite, step, v, counts, settings, constants)
+    with LINEAR_ALGEBRA_CONTEXTS.get(device.type, contextlib.nullcontext)():
+        delta = _cayley_adam_deltas(gram, grad_sq, finite, step, v, counts, settings, constants)
     # Phase 3, a bucket at a time.
     offsets = [0]
     for g in grad_sqs:
