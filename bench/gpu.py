@@ -1003,22 +1003,35 @@ def sync_warnings(caught: list[warnings.WarningMessage] | None) -> list[str] | N
 
 
 # The CUDA runtime calls that block the host on the device. The sync debug mode sees only the syncs torch makes
-# through its own checks; a library's (cuSOLVER's, MAGMA's, a launcher's) explicit synchronisation shows here. Kineto
-# records each runtime call as a CPU event named after it (cudaLaunchKernel, cudaStreamSynchronize, ...); the count of
-# all runtime events is kept beside, so that a build recording none reads as such and not as "0 syncs".
+# through its own checks; a library's (cuSOLVER's, MAGMA's) explicit synchronisation shows here. Kineto records each
+# runtime call as a CPU event named after it (cudaLaunchKernel, cudaStreamSynchronize, ...). The profiler's own exit
+# synchronises the device while it still records, so a trace of no step is taken as the baseline and subtracted; the
+# count of all runtime events is kept beside, so that a build recording none reads as such, not as "0 syncs". Not
+# yet run on a GPU: read the first run's figures with that in mind.
 RUNTIME_SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
-def runtime_syncs(step: Callable[[], Any], steps: int) -> dict[str, Any]:
-    """The synchronising CUDA runtime calls in a profiler trace of ``steps`` calls of ``step`` (CUDA only)."""
+def runtime_calls(step: Callable[[], Any], steps: int) -> list[str]:
+    """The names of the CUDA runtime calls in a profiler trace of ``steps`` calls of ``step``."""
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(steps):
             step()
-    names = [e.name for e in profiler.events() if e.name.startswith("cuda")]
-    found = {name: names.count(name) for name in RUNTIME_SYNCS if name in names}
-    return {"calls": found, "per_step": sum(found.values()) / steps, "runtime_events": len(names)}
+    return [e.name for e in profiler.events() if e.name.startswith("cuda")]
+
+
+def runtime_syncs(step: Callable[[], Any], steps: int) -> dict[str, Any]:
+    """The synchronising CUDA runtime calls of ``steps`` calls of ``step``, the profiler's own taken off (CUDA)."""
+    baseline = runtime_calls(lambda: None, steps)
+    names = runtime_calls(step, steps)
+    found = {name: names.count(name) - baseline.count(name) for name in RUNTIME_SYNCS if name in names}
+    return {
+        "calls": found,
+        "per_step": sum(found.values()) / steps,
+        "runtime_events": len(names),
+        "baseline": {name: baseline.count(name) for name in RUNTIME_SYNCS if name in baseline},
+    }
 
 
 def host_sync_case(ctx: Run, fora: dict[str, Any]) -> dict[str, Any]:
