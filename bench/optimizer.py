@@ -238,9 +238,14 @@ def bench_set(name: str, d_outs: dict[int, int], r: int, experts: int, rounds: i
             )
     candidates = {label: opt.step for label, opt in optimizers.items()}
     candidates["essential matmuls alone"] = essential_matmuls(d_outs, r, experts)
-    for run in candidates.values():  # warm-up: state made, stacks built, the captured step captured
-        for _ in range(GRAPH_WARMUP_STEPS + 1):
-            run()
+    for label, run in list(candidates.items()):  # warm-up: state made, stacks built, the captured step captured
+        try:
+            for _ in range(GRAPH_WARMUP_STEPS + 1):
+                run()
+        except Exception as error:  # noqa: BLE001  (a step that cannot run here must not lose the others' rows)
+            print(f"({label}: left out, its first steps raised {type(error).__name__}: {error})")
+            del candidates[label]
+            optimizers.pop(label, None)
     counters = {label: count(run) for label, run in candidates.items()}
     kernels = {label: cuda_kernels(run) for label, run in candidates.items()}
     times = timed_rounds(candidates, rounds)
