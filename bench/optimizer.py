@@ -296,8 +296,9 @@ def captured_against_eager(optimizers: dict[str, torch.optim.Optimizer], experts
         if eager is None or captured is None:
             continue
         pairs = list(zip(eager.param_groups[0]["params"], captured.param_groups[0]["params"]))
-        diff = max((p.detach().double() - q.detach().double()).abs().max().item() for p, q in pairs)
-        scale = max(p.detach().double().abs().max().item() for p, _ in pairs)
+        # torch's max, not Python's: a NaN anywhere must show (Python's max keeps a number over a later NaN).
+        diff = torch.stack([(p.detach().double() - q.detach().double()).abs().max() for p, q in pairs]).max().item()
+        scale = torch.stack([p.detach().double().abs().max() for p, _ in pairs]).max().item()
         steps = eager.state[pairs[0][0]].get("step")
         out[implementation] = {
             "max_abs_diff": diff,

@@ -349,3 +349,32 @@ def test_a_failed_captured_row_turns_the_capture_off_and_is_measured_eager(tmp_p
     assert gpu.measure_row(second, state, dataclasses.replace(fora, options=(), label="x"))["reused"]
     assert len(calls) == 2 and second.capture["ok"] is False
     second.close()
+
+
+def test_the_capture_check_turns_fora_eager_when_it_misses_or_raises(tmp_path, monkeypatch):
+    """check_capture's verdict on tests/capture_check.py's results (stood in for: it needs CUDA graphs)."""
+    import torch
+
+    gpu = gpu_module()
+    import optimizer as optimizer_bench
+
+    def results(bf16_diff):
+        return [
+            {"kind": kind, "max_param_diff": 0.0, "max_state_diff": diff, "dtypes_match": True, "skipped": (1, 1)}
+            for kind, diff in (("fp32", 0.0), ("bf16", bf16_diff))
+        ]
+
+    ctx = gpu.Run(torch.device("cuda"), gpu.tiny_scale(), tmp_path, budget_s=100.0)
+    monkeypatch.setattr(optimizer_bench, "capture_checks", lambda: results(1e-7))
+    assert "passed" in gpu.check_capture(ctx) and gpu.fora_options(ctx) == {"fora": (gpu.CAPTURED,)}
+    monkeypatch.setattr(optimizer_bench, "capture_checks", lambda: results(float("nan")))
+    assert "FAILED" in gpu.check_capture(ctx) and gpu.fora_options(ctx) == {}
+    assert "kinds ['bf16']" in ctx.capture["reason"]
+
+    def raises():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(optimizer_bench, "capture_checks", raises)
+    assert "raised" in gpu.check_capture(ctx) and not ctx.capture["ok"]
+    assert "operation not permitted" in gpu.fora_step_line(ctx)
+    ctx.close()
