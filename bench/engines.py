@@ -60,6 +60,8 @@ BUDGET_S = {"cuda": 170.0, "cpu": 1200.0}
 # Seconds one launch may take before it is stopped (a hung collective must not eat the call): several times what one
 # takes (about 20 s on a GPU machine, 30 s on a 2-core CPU).
 LAUNCH_TIMEOUT_S = {"cuda": 120.0, "cpu": 600.0}
+# Past the budget, what a launch started before it may still take (then it is stopped): a launch takes 15-30 s.
+GRACE_S = {"cuda": 45.0, "cpu": 600.0}
 # Learning rates above the shipped configs' (2e-4, 1e-3): 10 steps then move lora_B by several times the bf16
 # tolerance (by about 0.4 x fora_lr_stiefel of its norm in the tiny CPU mode), so that a wrong or missing lora_B step
 # cannot pass as bf16 rounding.
@@ -439,8 +441,14 @@ def run_all(device: torch.device, scale: Scale, root: Path, log=print, budget_s:
     (root / "references.json").write_text(json.dumps(spec))
     command = [sys.executable, "-m", "engine_probe", "--runs", str(root / "references.json")]
     log(f"  single-process runs: {shown(command)}")
-    timeout = LAUNCH_TIMEOUT_S[device.type]
-    code, seconds, tail = launch([command], child_env(device, root), root / "references", 1.5 * timeout)
+    grace = GRACE_S[device.type]
+
+    def timeout(scale: float = 1.0) -> float:
+        # A launch's limit: its own, but never far past the budget (bench/gpu.py's call has a hard end).
+        left = budget_s + grace - (time.perf_counter() - started)
+        return max(10.0, min(scale * LAUNCH_TIMEOUT_S[device.type], left))
+
+    code, seconds, tail = launch([command], child_env(device, root), root / "references", timeout(1.5))
     for entry in spec:
         name, out = entry["name"], Path(entry["out"])
         rows[name] = {"kind": "single process", "line": shown([sys.executable, "-m", "engine_probe", *entry["argv"]])}
@@ -467,7 +475,7 @@ def run_all(device: torch.device, scale: Scale, root: Path, log=print, budget_s:
         if cpu and "fsdp" in engine.engine_config:
             extra["ENGINE_PROBE_FORCE_FSDP2"] = "1"
         row["line"] = shown(commands[0])
-        code, seconds, tail = launch(commands, child_env(device, out, **extra), out.with_suffix(""), timeout)
+        code, seconds, tail = launch(commands, child_env(device, out, **extra), out.with_suffix(""), timeout())
         row["launch_seconds"] = seconds
         if code != 0 or not (out / "probe.json").exists():
             row.update(status="error", exit_code=code, error=tail[-4000:])
@@ -484,7 +492,7 @@ def run_all(device: torch.device, scale: Scale, root: Path, log=print, budget_s:
     for name, check in reloads.items():
         rows[name]["reload"] = check
     for name, (process, out) in plans.items():
-        rows[name]["plan"] = collect_plan(process, out, budget_s + 120 - (time.perf_counter() - started))
+        rows[name]["plan"] = collect_plan(process, out, budget_s + grace - (time.perf_counter() - started))
     for name, run in runs.items():
         rows[name].update(
             {k: run.get(k) for k in ("world_size", "backend", "device", "deepspeed_stage", "fsdp_version")},
@@ -576,14 +584,16 @@ def tables(result: dict[str, Any], device: torch.device) -> str:
     return "\n".join(lines)
 
 
-def section(ctx) -> dict[str, Any]:
-    """bench/gpu.py's ``engines`` section: the tiny scale with --tiny, else the GPU's."""
+def section(ctx, budget_s: float) -> dict[str, Any]:
+    """bench/gpu.py's ``engines`` section: the tiny scale with --tiny, else the GPU's; no launch starts after
+    ``budget_s`` (what the whole run can give it) or this section's own budget, whichever comes first."""
     import step_time
 
     tiny = ctx.scale.setting is step_time.SETTINGS["tiny"]
     root = ctx.tmp / "engines"
     root.mkdir()
-    return run_all(ctx.device, TINY if tiny else GPU, root, log=ctx.log)
+    budget_s = min(BUDGET_S[ctx.device.type], budget_s)
+    return run_all(ctx.device, TINY if tiny else GPU, root, log=ctx.log, budget_s=budget_s)
 
 
 def main() -> int:

@@ -1,36 +1,37 @@
 """FoRA on one GPU in one command: markdown tables on stdout, one JSON file naming the GPU, the driver and
 every package version.
 
-Sections, each through the package's own code, each recorded in the JSON as ``ok``, ``skipped`` (with the reason)
-or ``error`` (with the traceback's end) so that one failure loses nothing else:
+Sections, in this order (the open issues' first), each through the package's own code, each recorded in the JSON as
+``ok``, ``skipped`` (with the reason) or ``error`` (with the traceback's end) so that one failure loses nothing else:
 
+e. ``optimizer``: first tests/capture_check.py (the captured Cayley-Adam step against the eager one, 20 steps; if
+   it fails, every trainer row below runs fora eager and says so), then bench/optimizer.py's Cayley-Adam against fused
+   and foreach AdamW (the LLaMA-3.1-8B lora_B sets at r 32 and 16, the Qwen3-30B-A3B experts, the 3B top half, the
+   dense d x d step), with the staged step's captured run against its eager one at those real shapes.
+d. ``host_syncs``: ``torch.cuda.set_sync_debug_mode`` around 10 steps of the trainer's FoRA optimizer (fused AdamW on
+   lora_A, Cayley-Adam on lora_B), captured and eager, and around one FoRALogs log; tests/host_sync.py's counter on
+   any device; the CUDA runtime's synchronising calls in a profiler trace of the steps.
 a. ``step_time``: the paper's efficiency table (bench/step_time.py): LLaMA-3.2-3B from the bundled config, random
    bf16 weights, batch 16 x 256, LoRA r 32 on q/k/v/up/down through FoRASFTTrainer; lora (all layers), fg-lora and
    fora on the top half and on every second layer, checkpointing off and on; ms/step, max_memory_allocated/reserved,
    the ratios beside the paper's figures, and the torch profiler's top kernels of the ckpt-off top-half rows.
-a3. ``fast_path``: lora, fg-lora and fora (top half, checkpointing off) on the commonsense mix with
-   each of PEFT's input cast (``fora_input_cast: peft``), the cast off (the default), bf16 adapters with fp32 masters,
-   Liger's kernels, ``torch_compile``, and all together; then the fastest on the fixed 256-token rows, checkpointing
-   off and on. Rows not started within the budget are listed as left out (compile rows come last: they compile).
-a2. ``step_rows``: beside (a), checkpointing off: lora, fg-lora and fora with gradient accumulation 4 and on the
-   commonsense mix (padded per batch), and the frozen base alone (the floor a LoRA step adds to); the optimizer phase
-   of fora against fg-lora's on the same layers.
-b. ``plan``: ``fora plan`` (``fora_plugin.plan.plan``, in a child process that runs beside the GPU sections on the
-   other half of the CPU cores) of the same settings, against the measured peaks of every row, scoring included.
-c. ``scoring``: Fisher scoring of 8 batches as FoRASFTTrainer runs it (its batches, loss, checkpointing, autocast):
-   time, and peak memory against the step's and the plan's.
-d. ``host_syncs``: ``torch.cuda.set_sync_debug_mode`` around 10 steps of the trainer's FoRA optimizer (fused AdamW on
-   lora_A, Cayley-Adam on lora_B) and around one FoRALogs log; tests/host_sync.py's counter on any device.
-e. ``optimizer``: bench/optimizer.py's Cayley-Adam against fused and foreach AdamW (the LLaMA-3.1-8B lora_B sets at
-   r 32 and 16, the Qwen3-30B-A3B experts, and the dense d x d step).
-f. ``qfora``: the 3B config saved with random bf16 weights, loaded as NF4 by bitsandbytes on the GPU, scored on 8
-   batches and trained 10 steps: step time, peak memory against the plan, max ‖BᵀB − I‖.
-g. ``cli_train``: ``fora train`` through the command line on a 4-layer random Llama saved to a folder (with the
-   tests' character tokenizer), the bundled Alpaca sample, bf16 with checkpointing: the loss falls, the adapter is
-   saved, and PeftModel.from_pretrained reloads it to the logits its saved weights give.
 h. ``engines``: bench/engines.py: ``fora train`` under ZeRO-2, ZeRO-3, QFoRA + ZeRO-2 and FSDP2 against one process.
+a3. ``fast_path``: lora, fg-lora and fora (top half, checkpointing off) on the commonsense mix with each of PEFT's
+   input cast, the cast off (the default), bf16 adapters with fp32 masters and Liger's kernels; then the fastest on
+   the fixed 256-token rows, checkpointing off and on. ``fast_path_compile``: ``torch_compile`` and all together.
+a2. ``step_rows``: beside (a), checkpointing off: gradient accumulation 4, the commonsense mix, the frozen base alone.
+c., f., g., (memory_peak): ``scoring`` (8 Fisher batches as the trainer runs them), ``qfora`` (the 3B config as NF4,
+   10 steps), ``cli_train`` (``fora train`` on a 4-layer Llama, reloaded), ``memory_peak`` (the allocator's trace at
+   the peak of 2 steps): measured on the H100 before (docs/gpu.md), so late.
+b. ``plan``: ``fora plan`` (a child process beside the GPU sections) of the same settings against the measured peaks.
 
-    python bench/gpu.py --device cuda --out "$OUT"      # one H100/H200: about 5 minutes
+A section starts only if the budget has its estimate left (:data:`ESTIMATES`), a row only if it has the row's. The
+default --budget (430 s) keeps the whole device command (install, imports, sections) near 480 s: it covers optimizer,
+host_syncs, step_time, engines and the first fast_path rows the rest allows, and leaves out the other fast_path rows,
+step_rows, scoring, qfora, cli_train, memory_peak and fast_path_compile. A second call takes the first's rows as
+measured: ``--only fast_path step_rows --reuse FIRST/gpu.json --budget 200`` (docs/gpu.md, "Running it").
+
+    python bench/gpu.py --device cuda --out "$OUT"      # one H100/H200: about 7.5 minutes with the install
     python bench/gpu.py --device cpu --tiny            # every section at tiny shapes; CUDA-only parts skipped
 
 bench/gpu_wheels.sh fetches the wheels the device image lacks and shows the one device command.
@@ -72,18 +73,56 @@ from step_time import GIB, MODES, REPO, TARGETS, Setting  # noqa: E402
 
 
 SECTIONS = (
-    "step_time",
-    "step_rows",
-    "fast_path",
-    "host_syncs",
-    "scoring",
     "optimizer",
-    "cli_train",
-    "qfora",
-    "memory_peak",
+    "host_syncs",
+    "step_time",
     "engines",
+    "fast_path",
+    "step_rows",
+    "scoring",
+    "qfora",
+    "cli_train",
+    "memory_peak",
+    "fast_path_compile",
     "plan",
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """A section's seconds on an H100 (where they come from in ``source``); ``start``: what must be left of the
+    budget to start it (the whole for a section that cannot stop midway, one row for one that stops between rows)."""
+
+    seconds: float
+    start: float
+    source: str
+
+
+# Row-wise sections start each row only if its estimate is left: step_time's 10 rows took 101-109 s on the H100.
+ROW_S = 11.0
+COMPILE_ROW_S = 90.0  # a guess: the 3B model compiled by dynamo and inductor, forward and backward, then 13 steps
+ESTIMATES = {
+    "optimizer": Estimate(
+        60,
+        60,
+        "a guess: 13-19 s on the H100 with fewer rows; now every implementation eager and "
+        "captured, the 3B set, the capture check",
+    ),
+    "host_syncs": Estimate(20, 20, "2.4-5.5 s on the H100 for one trainer; now two (captured, eager) and a profile"),
+    "step_time": Estimate(110, ROW_S, "10 rows, 101-109 s on the H100"),
+    "engines": Estimate(170, 170, "a guess (never run on a GPU): 6 launches of 15-20 s, reloads, plans; docs/gpu.md"),
+    "fast_path": Estimate(18 * ROW_S, ROW_S, "18 rows as step_time's (a guess for the Liger rows' Triton compiles)"),
+    "step_rows": Estimate(11 * ROW_S, ROW_S, "8 rows as step_time's, the 3 with 4 micro-batches about twice"),
+    "scoring": Estimate(10, 10, "8.3 s on the H100"),
+    "qfora": Estimate(25, 25, "21-25 s on the H100"),
+    "cli_train": Estimate(35, 35, "35 s on the H100"),
+    "memory_peak": Estimate(15, 15, "14.4 s on the H100"),
+    "fast_path_compile": Estimate(6 * COMPILE_ROW_S, COMPILE_ROW_S, "a guess: 6 compiled rows"),
+    "plan": Estimate(0, 0, "the child process ran beside the sections: 0 s of waiting on the H100"),
+}
+DEFAULT_BUDGET_S = {"cuda": 430.0, "cpu": 1800.0}
+# What engines leaves of the budget for its reloads and plans after its last launch.
+ENGINES_MARGIN_S = 30.0
 PACKAGES = (
     "torch",
     "transformers",
@@ -203,6 +242,128 @@ def size(nbytes: int | None) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
 
 
+# ------------------------------------------------------------------------------------------------- rows and time
+def row_seconds(ctx: Run, row: step_time.Row) -> float:
+    """What must be left of the budget to start ``row`` (nothing but some budget off CUDA: the tiny mode)."""
+    if ctx.device.type != "cuda":
+        return 0.0
+    if dict(row.sft_options).get("torch_compile"):
+        return COMPILE_ROW_S
+    return ROW_S * (2 if row.accumulation > 1 else 1)
+
+
+def row_name(row: step_time.Row) -> str:
+    what = step_time._what(dataclasses.asdict(row))
+    return f"{row.mode} {row.placement} ckpt {'on' if row.checkpointing else 'off'} {what}"
+
+
+CAPTURED = ("cuda_graph", True)
+
+
+@contextlib.contextmanager
+def module_patches_undone(*modules):
+    """Everything assigned at the top level of ``modules`` and on their classes inside, put back on exit.
+
+    Liger's ``apply_liger_kernel_to_llama`` (as TRL's ``use_liger_kernel`` calls it) replaces
+    ``modeling_llama.apply_rotary_pos_emb``, ``LlamaRMSNorm``, ``LlamaMLP`` (and a forward) for the whole process:
+    without this, every Llama built after the first Liger row would run Liger's kernels."""
+    saved = []
+    for module in modules:
+        classes = {
+            name: (value, dict(vars(value)))
+            for name, value in vars(module).items()
+            if isinstance(value, type) and value.__module__ == module.__name__
+        }
+        saved.append((module, dict(vars(module)), classes))
+    try:
+        yield
+    finally:
+        for module, attributes, classes in saved:
+            for name in set(vars(module)) - set(attributes):
+                delattr(module, name)
+            for name, value in attributes.items():
+                if name not in vars(module) or vars(module)[name] is not value:
+                    setattr(module, name, value)
+            for cls, members in classes.values():
+                for name in set(vars(cls)) - set(members):
+                    delattr(cls, name)
+                for name, value in members.items():
+                    if name not in ("__dict__", "__weakref__") and vars(cls).get(name) is not value:
+                        setattr(cls, name, value)
+
+
+def liger_isolated(row: step_time.Row):
+    """:func:`module_patches_undone` of transformers' Llama modelling around a row with Liger's kernels."""
+    if not dict(row.sft_options).get("use_liger_kernel"):
+        return contextlib.nullcontext()
+    from transformers.models.llama import modeling_llama
+
+    return module_patches_undone(modeling_llama)
+
+
+def begin_rows(ctx: Run, section: str, **more: Any) -> dict[str, Any]:
+    """The section's measured rows, failed rows and rows left out (for want of budget), saved as they grow."""
+    state = {"rows": [], "failed": [], "left_out": [], **more}
+    ctx.partial[section] = state
+    return state
+
+
+def measure_row(
+    ctx: Run, state: dict[str, Any], row: step_time.Row, *, profile_steps: int = 0, live_memory: bool = False
+) -> dict[str, Any] | None:
+    """One row into ``state`` (see :func:`begin_rows`), the JSON rewritten after it: left out if the budget has not
+    its estimate left; fora eager where the capture failed (a captured row that fails turns the capture off for the
+    rest of the run and is measured again eager); a row measured before at the same settings (another section's)
+    reused; a failed row recorded with its error."""
+    if CAPTURED in row.options and not capture_ok(ctx):
+        row = dataclasses.replace(row, options=tuple(o for o in row.options if o != CAPTURED))
+    key = (dataclasses.replace(row, label=""), live_memory)
+    if key in ctx.measured:
+        result = {**ctx.measured[key], "label": row.label, "reused": True}
+    elif ctx.remaining() <= 0 or ctx.remaining() < row_seconds(ctx, row):
+        state["left_out"].append(row_name(row))
+        return None
+    else:
+        errors: list[dict[str, Any]] = []
+        with liger_isolated(row):
+            if dict(row.sft_options).get("torch_compile"):
+                torch._dynamo.reset()  # the compile caches of the last model are no use to this one
+            results = step_time.measure_rows(
+                ctx.scale.setting,
+                ctx.device,
+                [row],
+                warmup=ctx.scale.warmup,
+                steps=ctx.scale.steps,
+                profile=lambda _: profile_steps,
+                live_memory=live_memory,
+                errors=errors,
+            )
+        if errors:
+            state["failed"].append(errors[0])
+            ctx.log(f"  {row_name(row)}: {errors[0]['exception']}: {errors[0]['message'][:200]}")
+            if CAPTURED in row.options:
+                ctx.capture = {"ok": False, "reason": f"the captured trainer row {row_name(row)} failed"}
+                ctx.save()
+                return measure_row(ctx, state, row, profile_steps=profile_steps, live_memory=live_memory)
+            ctx.save()
+            return None
+        (result,) = results
+        ctx.measured[key] = result
+    state["rows"].append(result)
+    ctx.log(f"  {row_name(row)}: {result['ms_per_step']:.1f} ms/step, {gib(result['max_memory_allocated'])} GiB")
+    ctx.save()
+    return result
+
+
+def fora_step_line(ctx: Run) -> str:
+    """How this run's fora rows stepped Cayley-Adam: captured, or eager and why."""
+    if ctx.device.type != "cuda":
+        return "fora's Cayley-Adam step: eager (the default off CUDA)."
+    if capture_ok(ctx):
+        return "fora's Cayley-Adam step: captured as a CUDA graph (`cuda_graph=True`; the capture check passed)."
+    return f"fora's Cayley-Adam step: EAGER, the capture is off for this run: {ctx.capture['reason']}."
+
+
 # --------------------------------------------------------------------------------------------------- environment
 def environment(device: torch.device) -> dict[str, Any]:
     import fora_plugin
@@ -216,7 +377,12 @@ def environment(device: torch.device) -> dict[str, Any]:
         "fora_plugin": fora_plugin.__version__,
         "packages": {},
         "device": str(device),
+        # MAGMA's small solves synchronise the host; the eager CUDA step asks for cuSOLVER (read at the step, here
+        # the process default).
+        "has_magma": torch.cuda.has_magma,
     }
+    with contextlib.suppress(RuntimeError, AttributeError):
+        info["preferred_linalg_library"] = str(torch.backends.cuda.preferred_linalg_library())
     for name in PACKAGES:
         try:
             info["packages"][name] = importlib.metadata.version(name)
@@ -242,44 +408,33 @@ def environment(device: torch.device) -> dict[str, Any]:
 def section_step_time(ctx: Run) -> dict[str, Any]:
     gpu = ctx.device.type == "cuda"
 
-    def profile(mode: str, placement: str, checkpointing: bool) -> int:
+    def profile(row: step_time.Row) -> int:
         # Where the time goes in the rows the goals are about: ckpt off, top half (lora: all layers).
-        wanted = mode in ctx.scale.profile_modes and not checkpointing and placement in ("all", "top half")
+        wanted = row.mode in ctx.scale.profile_modes and not row.checkpointing and row.placement in ("all", "top half")
         return ctx.scale.profile_steps if wanted else 0
 
-    ctx.rows = []
-    ctx.partial["step_time"] = {"rows": ctx.rows}  # kept if a later row fails
-
-    def on_row(row: dict[str, Any]) -> None:
-        ctx.rows.append(row)
-        ctx.log(
-            f"  {row['mode']} {row['placement']} ckpt {'on' if row['checkpointing'] else 'off'}: "
-            f"{row['ms_per_step']:.1f} ms/step, {gib(row['max_memory_allocated'])} GiB allocated"
-        )
-
-    rows = step_time.measure_all(
-        ctx.scale.setting,
-        ctx.device,
-        warmup=ctx.scale.warmup,
-        steps=ctx.scale.steps,
-        options=fora_options(ctx),
-        profile=profile,
-        live_memory=not gpu,  # on the CPU the measured side of (b) is the storage tracker's peak
-        on_row=on_row,
-    )
+    state = begin_rows(ctx, "step_time")
+    ctx.rows = state["rows"]  # scoring, step_rows and plan read them, whatever this section's end
+    for row in step_time.grid(ctx.scale.setting, options=fora_options(ctx)):
+        # On the CPU the measured side of (b) is the storage tracker's peak.
+        measure_row(ctx, state, row, profile_steps=profile(row), live_memory=not gpu)
+    rows = ctx.rows
     ratios = {}
     for ckpt in (False, True):
         lora, fg, fora = (step_time.find_row(rows, m, "top half", ckpt) for m in step_time.MODES)
+        if lora is None or fg is None or fora is None:
+            continue
         key = "checkpointing_on" if ckpt else "checkpointing_off"
         ratios[key] = {
             "fora_over_lora": fora["ms_per_step"] / lora["ms_per_step"],
             "fora_over_fg_lora": fora["ms_per_step"] / fg["ms_per_step"],
             "fg_lora_over_lora": fg["ms_per_step"] / lora["ms_per_step"],
         }
-    off = ratios["checkpointing_off"]
+    off = ratios.get("checkpointing_off")
     goals = {
         name: {"value": off[name], "goal": GOALS[name], "met": off[name] <= GOALS[name]}
         for name in ("fora_over_lora", "fora_over_fg_lora")
+        if off is not None
     }
     text = [
         step_time.describe(ctx.scale.setting, ctx.device, ctx.scale.warmup, ctx.scale.steps),
@@ -288,13 +443,33 @@ def section_step_time(ctx: Run) -> dict[str, Any]:
         "",
         step_time.format_rows(rows),
         "",
-        paper_table(rows, goals),
+        paper_table(rows, goals) if goals else "(no paper table: a row of it is missing)",
+        "",
+        fora_step_line(ctx),
+        *failed_lines(state),
     ]
     for r in rows:
         if "profile" in r:
             text += ["", f"Top kernels, {r['mode']} ({r['placement']}, ckpt off), {r['profile_steps']} steps:", "```"]
             text += [r["profile"], "```"]
-    return {"rows": rows, "ratios": ratios, "goals": goals, "text": "\n".join(text)}
+    return {**state, "ratios": ratios, "goals": goals, "fora_step": fora_step_line(ctx), "text": "\n".join(text)}
+
+
+def failed_lines(state: dict[str, Any]) -> list[str]:
+    """The rows that failed (their error's last line) and those the budget left out."""
+    lines = [
+        f"- failed: {row_name(step_time.Row(**row_fields(f)))}: {f['exception']}: {f['message']}"
+        for f in state["failed"]
+    ]
+    return lines + [f"- left out (the budget was spent): {name}" for name in state["left_out"]]
+
+
+def row_fields(result: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`step_time.Row` fields of a result (tuples again where JSON made lists)."""
+    fields = {f.name: result[f.name] for f in dataclasses.fields(step_time.Row) if f.name in result}
+    for key in ("options", "sft_options"):
+        fields[key] = tuple(tuple(pair) for pair in fields.get(key, ()))
+    return fields
 
 
 def paper_table(rows: list[dict[str, Any]], goals: dict[str, Any]) -> str:
@@ -327,8 +502,55 @@ def paper_table(rows: list[dict[str, Any]], goals: dict[str, Any]) -> str:
 
 def fora_options(ctx: Run) -> dict[str, tuple]:
     """mode -> the FoRAConfig options of its rows: on a GPU, fora's Cayley-Adam step captured as a CUDA graph (the
-    fast path this bench measures; the default is eager until it has)."""
-    return {"fora": (("cuda_graph", True),)} if ctx.device.type == "cuda" else {}
+    fast path this bench measures; the default is eager until it has), unless the capture check failed."""
+    return {"fora": (CAPTURED,)} if capture_ok(ctx) else {}
+
+
+# The capture check's goal: the captured run equals the eager one (parameters and fp32 state) after 20 steps.
+CAPTURE_GOAL = 1e-6
+
+
+def capture_ok(ctx: Run) -> bool:
+    """Whether fora's trainer rows run the captured step: on CUDA, once tests/capture_check.py's captured runs equal
+    the eager ones (checked here the first time it is asked, if the optimizer section has not)."""
+    if ctx.device.type != "cuda":
+        return False
+    if ctx.capture is None:
+        check_capture(ctx)
+    return ctx.capture["ok"]
+
+
+def check_capture(ctx: Run) -> str:
+    """tests/capture_check.py on this device (every kind: fp32, bf16, experts, FoRAOptimizer) into ``ctx.capture``;
+    its table (the markdown)."""
+    import optimizer as optimizer_bench
+
+    optimizer_bench.DEVICE = ctx.device
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            checks = optimizer_bench.capture_checks()
+    except Exception as error:  # noqa: BLE001  (recorded: the trainer rows then run eager)
+        tail = traceback.format_exc(limit=-6)
+        ctx.capture = {
+            "ok": False,
+            "reason": f"the capture check raised {type(error).__name__}: {error}",
+            "error": tail,
+        }
+        return f"Capture check raised (fora's trainer rows run eager):\n```\n{tail}\n```"
+    diffs = [d for c in checks for d in (c["max_param_diff"], c["max_state_diff"])]
+    worst = math.nan if any(math.isnan(d) for d in diffs) else max(diffs)  # max() would keep a number over a NaN
+    bad = [
+        c["kind"]
+        for c in checks
+        if not all(d <= CAPTURE_GOAL for d in (c["max_param_diff"], c["max_state_diff"]))  # NaN fails too
+        or not c["dtypes_match"]
+        or c["skipped"][0] != c["skipped"][1]
+    ]
+    reason = f"the capture check missed (kinds {bad}; largest |Δ| {worst:.1e}, goal ≤ {CAPTURE_GOAL:.0e})"
+    ctx.capture = {"ok": not bad, "reason": "" if not bad else reason, "checks": checks, "largest_diff": worst}
+    verdict = "passed" if not bad else f"FAILED: fora's trainer rows run eager ({reason})"
+    return f"{buffer.getvalue().rstrip()}\n\nCaptured against eager, 20 steps: largest |Δ| {worst:.1e}: {verdict}."
 
 
 # ------------------------------------------------------------------------------------------- (a2) more step rows
@@ -353,16 +575,10 @@ def step_rows(ctx: Run) -> list[step_time.Row]:
 
 
 def section_step_rows(ctx: Run) -> dict[str, Any]:
-    rows: list[dict[str, Any]] = []
-    ctx.partial["step_rows"] = {"rows": rows}
-
-    def on_row(row: dict[str, Any]) -> None:
-        rows.append(row)
-        ctx.log(f"  {row['mode']} {row['placement']} {step_time._what(row)}: {row['ms_per_step']:.1f} ms/step")
-
-    step_time.measure_rows(
-        ctx.scale.setting, ctx.device, step_rows(ctx), warmup=ctx.scale.warmup, steps=ctx.scale.steps, on_row=on_row
-    )
+    state = begin_rows(ctx, "step_rows")
+    rows = state["rows"]
+    for row in step_rows(ctx):
+        measure_row(ctx, state, row)
     grid = ctx.rows or []
     frozen = step_time.find_row(rows, "frozen", "all", False)
     text = [
@@ -380,7 +596,8 @@ def section_step_rows(ctx: Run) -> dict[str, Any]:
         if lora is not None:
             text[-1] += f"; LoRA on all layers adds {lora['ms_per_step'] - frozen['ms_per_step']:.1f} ms."
     text += ["", f"Paper (H200): LoRA all layers {PAPER['lora_ms']} ms, FG-LoRA/FoRA {PAPER['half_ms']} ms a step."]
-    return {"rows": rows, "text": "\n".join(text)}
+    text += ["", fora_step_line(ctx), *failed_lines(state)]
+    return {**state, "fora_step": fora_step_line(ctx), "text": "\n".join(text)}
 
 
 # -------------------------------------------------------------------------------------------- (a3) the fast path
@@ -395,98 +612,124 @@ FAST_PATH = {
 }
 
 
-def fast_path_rows(ctx: Run) -> list[step_time.Row]:
-    """The rows on the commonsense mix (top half, checkpointing off), those that compile last. The tiny CPU mode
-    leaves out what needs a bf16 base or compiles (minutes on a CPU); Liger is kept: it is refused there."""
+def fast_path_rows(ctx: Run, compiled: bool) -> list[step_time.Row]:
+    """The rows on the commonsense mix (top half, checkpointing off): those that compile, or the others. The tiny CPU
+    mode leaves out what needs a bf16 base or compiles (minutes on a CPU); Liger is kept: it is refused there."""
     rows = []
-    for compiled in (False, True):
-        for name, (options, sft_options) in FAST_PATH.items():
-            if any(key == "torch_compile" for key, _ in sft_options) != compiled:
-                continue
-            if not ctx.scale.setting.bf16 and (compiled or ("adapter_dtype", "bfloat16") in options):
-                continue
-            for mode in MODES:
-                placement = "all" if mode == "lora" else "top half"
-                rows.append(
-                    step_time.Row(
-                        mode,
-                        placement,
-                        False,
-                        data="commonsense",
-                        options=options + fora_options(ctx).get(mode, ()),
-                        sft_options=sft_options,
-                        label=name,
-                    )
+    for name, (options, sft_options) in FAST_PATH.items():
+        if any(key == "torch_compile" for key, _ in sft_options) != compiled:
+            continue
+        if not ctx.scale.setting.bf16 and (compiled or ("adapter_dtype", "bfloat16") in options):
+            continue
+        for mode in MODES:
+            placement = "all" if mode == "lora" else "top half"
+            rows.append(
+                step_time.Row(
+                    mode,
+                    placement,
+                    False,
+                    data="commonsense",
+                    options=options + fora_options(ctx).get(mode, ()),
+                    sft_options=sft_options,
+                    label=name,
                 )
+            )
     return rows
 
 
+def measure_fast_path(ctx: Run, state: dict[str, Any], row: step_time.Row) -> None:
+    """:func:`measure_row`, a row refused in one line (Liger where it cannot run) moved to ``state["refused"]``: the
+    refusal is the row, and the label's other rows are not tried."""
+    if row.label in state["refused"]:
+        return
+    failed = len(state["failed"])
+    measure_row(ctx, state, row)
+    if len(state["failed"]) > failed and state["failed"][-1]["exception"] == "FoRAInputError":
+        state["refused"][row.label] = state["failed"].pop()["message"]
+
+
 def section_fast_path(ctx: Run) -> dict[str, Any]:
-    from fora_plugin.errors import FoRAInputError
-
-    rows: list[dict[str, Any]] = []
-    refused: dict[str, str] = {}
-    left_out: list[str] = []
-    ctx.partial["fast_path"] = {"rows": rows, "refused": refused, "left_out": left_out}
-
-    def measure(row: step_time.Row) -> None:
-        if ctx.remaining() <= 0:
-            left_out.append(f"{row.mode} {row.placement} {step_time._what(dataclasses.asdict(row))}")
-            return
-        try:
-            (result,) = step_time.measure_rows(
-                ctx.scale.setting, ctx.device, [row], warmup=ctx.scale.warmup, steps=ctx.scale.steps
-            )
-        except FoRAInputError as error:  # Liger where it cannot run: the refusal is the row
-            refused[row.label] = str(error)
-            step_time.release(ctx.device)
-            return
-        rows.append(result)
-        ctx.log(f"  {row.mode} {row.label}: {result['ms_per_step']:.1f} ms/step")
-
-    for row in fast_path_rows(ctx):
-        if row.label in refused:
-            continue
-        measure(row)
+    state = begin_rows(ctx, "fast_path", refused={})
+    for row in fast_path_rows(ctx, compiled=False):
+        measure_fast_path(ctx, state, row)
+    rows = state["rows"]
     fora = [r for r in rows if r["mode"] == "fora"]
     fastest = min(fora, key=lambda r: r["ms_per_step"])["label"] if fora else "input cast off"
+    state["fastest"] = fastest
     options, sft_options = FAST_PATH[fastest]
     for ckpt in (False, True):
         for mode in MODES:
             placement = "all" if mode == "lora" else "top half"
             mode_options = options + fora_options(ctx).get(mode, ())
-            measure(step_time.Row(mode, placement, ckpt, options=mode_options, sft_options=sft_options, label=fastest))
+            row = step_time.Row(mode, placement, ckpt, options=mode_options, sft_options=sft_options, label=fastest)
+            measure_fast_path(ctx, state, row)
+    return {**state, "text": fast_path_text(ctx, state)}
+
+
+def section_fast_path_compile(ctx: Run) -> dict[str, Any]:
+    """The compiled rows, last: each compiles the 3B model (dynamo's caches reset before each)."""
+    rows = fast_path_rows(ctx, compiled=True)
+    if not rows:
+        raise Skipped(
+            "skipped: no compiled row at this scale (the tiny fp32 setting compiles nothing: minutes on a CPU)"
+        )
+    earlier = ctx.results.get("fast_path") or {}
+    state = begin_rows(ctx, "fast_path_compile", refused={}, fastest=earlier.get("fastest", "input cast off"))
+    for row in rows:
+        measure_fast_path(ctx, state, row)
+    shown = {**state, "rows": [*earlier.get("rows", []), *state["rows"]]}
+    return {**state, "text": fast_path_text(ctx, shown)}
+
+
+def fast_path_table(rows: list[dict[str, Any]], fora_opts: dict[str, tuple]) -> list[str]:
+    """A line per (data, checkpointing, combination): lora, fg-lora and fora and the ratios; ``fora_opts``: mode ->
+    the FoRAConfig options its rows carry beside the combination's (:func:`fora_options`)."""
     lines = [
         "| data | checkpointing | with | lora, all layers | fg-lora | fora | fora / lora (goal ≤ 0.72) | fora / "
         "fg-lora |",
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for data, ckpt, label in dict.fromkeys((r["data"], r["checkpointing"], r["label"]) for r in rows):
-        found = {
-            m: step_time.find_row(rows, m, "top half", ckpt, data=data, options=o, sft_options=so, label=label)
-            for m in MODES
-            for o, so in [FAST_PATH[label]]
-        }
+        found = {m: find_fast_row(rows, m, ckpt, data, label, fora_opts) for m in MODES}
         lines.append(
             f"| {data} | {'on' if ckpt else 'off'} | {label} | {step_time._ms(found['lora'])} "
             f"| {step_time._ms(found['fg-lora'])} | {step_time._ms(found['fora'])} "
             f"| {step_time._ratio(found['fora'], found['lora'])} "
             f"| {step_time._ratio(found['fora'], found['fg-lora'])} |"
         )
-    best = step_time.find_row(
-        rows, "fora", "top half", False, data="commonsense", options=options, sft_options=sft_options, label=fastest
-    )
-    lines += ["", f"Fastest for fora on the commonsense mix: {fastest}."]
+    return lines
+
+
+def find_fast_row(
+    rows: list[dict[str, Any]], mode: str, ckpt: bool, data: str, label: str, fora_opts: dict[str, tuple]
+) -> dict[str, Any] | None:
+    """The row of ``mode`` with combination ``label``: with the options ``fora_opts`` gives its mode, or eager (a
+    row measured after the capture was turned off mid-run)."""
+    options, sft_options = FAST_PATH[label]
+    for extra in dict.fromkeys((fora_opts.get(mode, ()), ())):
+        found = step_time.find_row(
+            rows, mode, "top half", ckpt, data=data, options=options + extra, sft_options=sft_options, label=label
+        )
+        if found is not None:
+            return found
+    return None
+
+
+def fast_path_text(ctx: Run, state: dict[str, Any]) -> str:
+    rows, fastest = state["rows"], state["fastest"]
+    captured = {"fora": (CAPTURED,)} if ctx.device.type == "cuda" else {}  # fora captured, or eager (a fallback)
+    lines = fast_path_table(rows, captured)
+    best = find_fast_row(rows, "fora", False, "commonsense", fastest, captured)
+    lines += ["", f"Fastest for fora on the commonsense mix (without compile): {fastest}."]
     if best is not None and ctx.device.type == "cuda":
         verdict = "met" if best["ms_per_step"] <= PAPER["half_ms"] else "not met"
         lines.append(
             f"Goal beyond: fora on the paper's kind of data at or under the paper's {PAPER['half_ms']} ms (its H200 "
             f"FG-LoRA/FoRA step): {best['ms_per_step']:.1f} ms, {verdict}."
         )
-    lines += [f"- {label}: refused here: {reason}" for label, reason in refused.items()]
-    lines += [f"- left out (the budget was spent): {row}" for row in left_out]
-    lines += ["", step_time.format_rows(rows)]
-    return {"rows": rows, "fastest": fastest, "refused": refused, "left_out": left_out, "text": "\n".join(lines)}
+    lines += [f"- {label}: refused here: {reason}" for label, reason in state["refused"].items()]
+    lines += ["", fora_step_line(ctx), *failed_lines(state), "", step_time.format_rows(rows)]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------- (b) plan
@@ -516,11 +759,16 @@ def plan_configs(ctx: Run) -> dict[str, dict[str, Any]]:
     }
     top = step_time.placements(s.model_config().num_hidden_layers)["top half"]
     configs = {}
+    # fora's rows run the captured step on CUDA (its static gradient buffers and graph pool are planned), or eager
+    # where the capture failed, which a row may find after the plans started: both planned, each row against its own.
+    captured = ctx.gpu_measured
     for ckpt in (False, True):
         on = "on" if ckpt else "off"
         # Without fora_layers the plan scores and places the K layers every (L/K)-th from 0: "every 2nd".
-        configs[f"ckpt {on}, scoring + every 2nd"] = {**base, "activation_checkpointing": ckpt}
-        configs[f"ckpt {on}, top half"] = {**base, "activation_checkpointing": ckpt, "fora_layers": top}
+        for name, keys in ((f"ckpt {on}, scoring + every 2nd", {}), (f"ckpt {on}, top half", {"fora_layers": top})):
+            configs[name] = {**base, "activation_checkpointing": ckpt, **keys}
+            if captured:
+                configs[f"{name}, captured"] = {**configs[name], "fora_cuda_graph": True}
     if ctx.gpu_measured:
         configs["qfora, ckpt on"] = {**base, **QFORA_KEYS, "activation_checkpointing": True}
     return configs
@@ -615,6 +863,8 @@ def section_plan(ctx: Run) -> dict[str, Any]:
     for r in ctx.rows or []:
         ckpt = "on" if r["checkpointing"] else "off"
         plan_name = f"ckpt {ckpt}, top half" if r["placement"] == "top half" else f"ckpt {ckpt}, scoring + every 2nd"
+        if list(CAPTURED) in [list(o) for o in r.get("options", ())]:
+            plan_name += ", captured"
         compare(f"{r['mode']} {r['placement']} ckpt {ckpt}: step", plan_name, r["mode"], "step", r[measured_key])
     for s in (ctx.results.get("scoring") or {}).get("runs", []):
         ckpt = "on" if s["checkpointing"] else "off"
@@ -746,7 +996,40 @@ def sync_warnings(caught: list[warnings.WarningMessage] | None) -> list[str] | N
     ]
 
 
-def section_host_syncs(ctx: Run) -> dict[str, Any]:
+# The CUDA runtime calls that block the host on the device. The sync debug mode sees only the syncs torch makes
+# through its own checks; a library's (cuSOLVER's, MAGMA's) explicit synchronisation shows here. Kineto records each
+# runtime call as a CPU event named after it (cudaLaunchKernel, cudaStreamSynchronize, ...). The profiler's own exit
+# synchronises the device while it still records, so a trace of no step is taken as the baseline and subtracted; the
+# count of all runtime events is kept beside, so that a build recording none reads as such, not as "0 syncs". Not
+# yet run on a GPU: read the first run's figures with that in mind.
+RUNTIME_SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def runtime_calls(step: Callable[[], Any], steps: int) -> list[str]:
+    """The names of the CUDA runtime calls in a profiler trace of ``steps`` calls of ``step``."""
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(steps):
+            step()
+    return [e.name for e in profiler.events() if e.name.startswith("cuda")]
+
+
+def runtime_syncs(step: Callable[[], Any], steps: int) -> dict[str, Any]:
+    """The synchronising CUDA runtime calls of ``steps`` calls of ``step``, the profiler's own taken off (CUDA)."""
+    baseline = runtime_calls(lambda: None, steps)
+    names = runtime_calls(step, steps)
+    found = {name: names.count(name) - baseline.count(name) for name in RUNTIME_SYNCS if name in names}
+    return {
+        "calls": found,
+        "per_step": sum(found.values()) / steps,
+        "runtime_events": len(names),
+        "baseline": {name: baseline.count(name) for name in RUNTIME_SYNCS if name in baseline},
+    }
+
+
+def host_sync_case(ctx: Run, fora: dict[str, Any]) -> dict[str, Any]:
+    """The counts of one FoRA optimizer (``fora``: its FoRAConfig options) built by the trainer."""
     from host_sync import HostSyncCounter
     from step_time import build_trainer, placements, release
 
@@ -755,9 +1038,12 @@ def section_host_syncs(ctx: Run) -> dict[str, Any]:
 
     s = ctx.scale.setting
     steps = ctx.scale.sync_steps
+    cuda = ctx.device.type == "cuda"
     with tempfile.TemporaryDirectory() as tmp:
         top = placements(s.model_config().num_hidden_layers)["top half"]
-        trainer = build_trainer(s, ctx.device, tmp, mode="fora", layers=top, checkpointing=False, max_steps=1)
+        trainer = build_trainer(
+            s, ctx.device, tmp, mode="fora", layers=top, checkpointing=False, max_steps=1, fora_options=fora
+        )
         optimizer = trainer.create_optimizer()
         fused = [g.get("fused") for g in optimizer.param_groups if not g.get("stiefel")]
         ids = torch.randint(3, s.model_config().vocab_size, (s.batch_size, s.seq_len), device=ctx.device)
@@ -765,10 +1051,16 @@ def section_host_syncs(ctx: Run) -> dict[str, Any]:
             loss = trainer.model(input_ids=ids, labels=ids).loss
         loss.backward()
         with HostSyncCounter() as first:
-            # The first steps make the state and capture the step on CUDA (a capture synchronises once): counted apart.
+            # The first steps make the state (and, captured, capture the step: it synchronises once): counted apart.
             for _ in range(GRAPH_WARMUP_STEPS + 1):
                 optimizer.step()
-        result: dict[str, Any] = {"steps": steps, "adamw_fused": fused, "first_step_counter": first.count}
+        result: dict[str, Any] = {
+            "options": fora,
+            "steps": steps,
+            "adamw_fused": fused,
+            "first_steps": GRAPH_WARMUP_STEPS + 1,
+            "first_step_counter": first.count,
+        }
         with HostSyncCounter() as counter, cuda_sync_warnings(ctx.device) as caught:
             for _ in range(steps):
                 optimizer.step()
@@ -781,7 +1073,7 @@ def section_host_syncs(ctx: Run) -> dict[str, Any]:
         result["log_counter"] = log_counter.count
         result["log_cuda_warn"] = sync_warnings(log_caught)
         result["log_values"] = values
-        if ctx.device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
@@ -794,25 +1086,67 @@ def section_host_syncs(ctx: Run) -> dict[str, Any]:
                 result["error_mode"] = f"raised: {str(error).splitlines()[0]}"
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+            try:
+                result["runtime_syncs"] = runtime_syncs(optimizer.step, steps)
+            except Exception as error:  # noqa: BLE001  (a profiler that cannot trace here loses only this count)
+                result["runtime_syncs"] = {"error": f"{type(error).__name__}: {error}"}
         else:
             result["error_mode"] = "skipped: needs CUDA (torch.cuda.set_sync_debug_mode)"
+            result["runtime_syncs"] = None
         del trainer, optimizer
     release(ctx.device)
-    cuda = "skipped: needs CUDA" if result["cuda_warn"] is None else len(result["cuda_warn"])
-    log_cuda = "skipped: needs CUDA" if result["log_cuda_warn"] is None else len(result["log_cuda_warn"])
-    result["text"] = "\n".join(
-        [
-            "| what | host syncs (tests/host_sync.py counter) | CUDA sync debug mode 'warn' | goal |",
-            "|---|---:|---:|---:|",
-            f"| first {GRAPH_WARMUP_STEPS + 1} optimizer steps (state made, step captured) | {first.count} | — | — |",
-            f"| {steps} optimizer steps (AdamW fused={fused}, Cayley-Adam) | {result['counter']} | {cuda} | 0 |",
-            f"| one FoRALogs log | {result['log_counter']} | {log_cuda} | ≤ 1 |",
-            "",
-            f"set_sync_debug_mode('error') around {steps} more steps: {result['error_mode']}",
-            *[f"- warned: {w}" for w in (result["cuda_warn"] or []) + (result["log_cuda_warn"] or [])],
-        ]
-    )
     return result
+
+
+def section_host_syncs(ctx: Run) -> dict[str, Any]:
+    """The trainer's FoRA optimizer as the step rows run it (captured on CUDA unless the capture check failed) and,
+    on CUDA, eager beside it."""
+    cases = {"as the rows run it": dict(fora_options(ctx).get("fora", ()))}
+    if ctx.device.type == "cuda":
+        cases = {
+            "captured" if cases["as the rows run it"] else "eager (the capture is off)": cases["as the rows run it"],
+            "eager": {"cuda_graph": False},
+        }
+    results, failed = {}, {}
+    for label, options in cases.items():
+        try:
+            results[label] = host_sync_case(ctx, options)
+        except Exception:  # noqa: BLE001  (the other case still runs: a captured step that fails is the finding)
+            failed[label] = traceback.format_exc(limit=-6)
+            step_time.release(ctx.device)
+            if options.get("cuda_graph"):
+                ctx.capture = {"ok": False, "reason": "the trainer's captured optimizer failed in host_syncs"}
+    if not results:
+        raise RuntimeError("every case failed:\n" + "\n".join(failed.values()))
+    lines = [
+        "| step | what | host syncs (tests/host_sync.py counter) | CUDA sync debug mode 'warn' | sync debug mode "
+        "'error' | CUDA runtime syncs / step (profiler) | goal |",
+        "|---|---|---:|---:|---|---:|---:|",
+    ]
+    for label, r in results.items():
+        cuda = "skipped: needs CUDA" if r["cuda_warn"] is None else len(r["cuda_warn"])
+        log_cuda = "skipped: needs CUDA" if r["log_cuda_warn"] is None else len(r["log_cuda_warn"])
+        runtime = r["runtime_syncs"]
+        if runtime is None:
+            runtime_text = "—"
+        elif "error" in runtime:
+            runtime_text = f"profiler failed: {runtime['error']}"
+        else:
+            runtime_text = f"{runtime['per_step']:.1f} {runtime['calls']} of {runtime['runtime_events']} events"
+        first = "state made, step captured" if r["options"].get("cuda_graph") else "state made"
+        lines += [
+            f"| {label} | first {r['first_steps']} optimizer steps ({first}) | {r['first_step_counter']} | — | — | — "
+            "| — |",
+            f"| {label} | {r['steps']} optimizer steps (AdamW fused={r['adamw_fused']}, Cayley-Adam) | {r['counter']} "
+            f"| {cuda} | {r['error_mode']} | {runtime_text} | 0 |",
+            f"| {label} | one FoRALogs log | {r['log_counter']} | {log_cuda} | — | — | ≤ 1 |",
+        ]
+    for label, r in results.items():
+        lines += [f"- {label}, warned: {w}" for w in (r["cuda_warn"] or []) + (r["log_cuda_warn"] or [])]
+    for label, error in failed.items():
+        lines += ["", f"{label} failed:", "```", error, "```"]
+    main = next(iter(results.values()))  # the step the rows run (or the one that ran): its counts at the top level
+    return {**main, "cases": results, "failed": failed, "text": "\n".join(lines)}
 
 
 # ----------------------------------------------------------------------------------------------- (e) optimizer
@@ -820,16 +1154,20 @@ def section_optimizer(ctx: Run) -> dict[str, Any]:
     import optimizer as optimizer_bench  # bench/optimizer.py, called as it runs with --device
 
     optimizer_bench.DEVICE = ctx.device
+    # First the captured step against the eager one over 20 steps of a run (tests/capture_check.py, CUDA graphs):
+    # its verdict decides whether the trainer rows run fora captured.
+    capture_text = check_capture(ctx) if ctx.device.type == "cuda" and ctx.capture is None else None
     buffer = io.StringIO()
+    real_scale = {}
     with contextlib.redirect_stdout(buffer):
         # The stacked-views step and the previous one beside today's, where git can give them (a note where not).
         optimizer_bench.load_older(optimizer_bench.STACKED_REV, optimizer_bench.PREVIOUS_REV)
         for name, d_outs, r, experts in ctx.scale.optimizer_sets:
-            optimizer_bench.bench_set(name, d_outs, r, experts, ctx.scale.optimizer_rounds)
+            captured = optimizer_bench.bench_set(name, d_outs, r, experts, ctx.scale.optimizer_rounds)
+            if captured:
+                real_scale[name] = captured
         if ctx.scale.dense_step:
             optimizer_bench.bench_dense(32, ctx.scale.optimizer_rounds, d=ctx.scale.dense_step)
-        # The captured step against the eager one over 20 steps of a run (tests/capture_check.py), on CUDA graphs.
-        captures = optimizer_bench.capture_checks() if ctx.device.type == "cuda" else None
     text = buffer.getvalue()
     profiled, d_outs, r, experts = ctx.scale.profiled_set
     profile = optimizer_bench.profile_step(d_outs, r, experts)
@@ -880,14 +1218,30 @@ def section_optimizer(ctx: Run) -> dict[str, Any]:
             f"| {name} | {v['cayley_ms']:.2f} | {v['cayley_over_foreach_adamw']:.2f} "
             f"| {v['cayley_over_fused_adamw']:.2f} | {verdict} |"
         )
-    if captures is not None:
-        worst = max(max(c["max_param_diff"], c["max_state_diff"]) for c in captures)
-        lines.append(f"\nCaptured against eager, 20 steps: largest |Δ| {worst:.1e} (goal ≤ 1e-6).")
-    lines += ["", f"Top ops of 3 Cayley-Adam steps, {profiled}:", "```", profile, "```"]
+    if real_scale:
+        lines += [
+            "",
+            "Captured against eager at the sets' shapes (same start, same steps; goal ≤ 1e-6 of the largest entry):",
+            "",
+            "| set | implementation | steps | matrices | max abs Δ | relative | goal |",
+            "|---|---|---:|---:|---:|---:|---|",
+        ]
+        for name, captured in real_scale.items():
+            for implementation, c in captured.items():
+                verdict = "met" if c["relative"] <= CAPTURE_GOAL else "MISSED"
+                lines.append(
+                    f"| {name} | {implementation} | {c['steps']} | {c['matrices']} | {c['max_abs_diff']:.1e} "
+                    f"| {c['relative']:.1e} | {verdict} |"
+                )
+    if capture_text is not None:
+        lines = [capture_text, "", *lines]
+    lines += ["", f"Top ops of 3 eager Cayley-Adam steps (the default), {profiled}:", "```", profile, "```"]
     return {
         "sets": sets,
         "ratios": verdicts,
-        "capture_checks": captures,
+        "capture_checks": (ctx.capture or {}).get("checks"),
+        "capture": ctx.capture,
+        "captured_against_eager_real_scale": real_scale,
         "profile": profile,
         "text": "\n".join(lines),
     }
@@ -1210,6 +1564,13 @@ def section_memory_peak(ctx: Run) -> dict[str, Any]:
     return {"runs": runs, "text": "\n".join(text).rstrip()}
 
 
+# -------------------------------------------------------------------------------------------------------- engines
+def section_engines(ctx: Run) -> dict[str, Any]:
+    """bench/engines.py, its launches started only while the run's budget, less what the reloads and plans after the
+    last launch take, lasts."""
+    return engines.section(ctx, budget_s=ctx.remaining() - ENGINES_MARGIN_S)
+
+
 # ---------------------------------------------------------------------------------------------------------- run
 class Run:
     """One bench run: the device, the scale, the results so far (written after every section), the clock."""
@@ -1229,6 +1590,9 @@ class Run:
         self.tmp = Path(self._tmp.name)
         self.markdown: list[str] = []
         self.measured_from: Path | None = None  # --measured: the GPU run whose peaks the plan is compared with
+        self.capture: dict[str, Any] | None = None  # the capture check's verdict (:func:`check_capture`)
+        self.measured: dict[tuple, dict[str, Any]] = {}  # (row without its label, live memory) -> its result
+        self.current: str | None = None  # the section running now: its partial results are saved with the rest
 
     @property
     def gpu_measured(self) -> bool:
@@ -1252,26 +1616,49 @@ class Run:
             if name in sections:
                 self.results[name] = sections[name]
 
+    def reuse(self, path: Path) -> None:
+        """Take the rows an earlier call measured (its gpu.json) as measured: a second call runs only the others."""
+        data = json.loads(path.read_text())
+        self.capture = data.get("capture") or self.capture
+        for section in data["sections"].values():
+            for r in section.get("rows") if isinstance(section.get("rows"), list) else []:
+                if "ms_per_step" in r and "mode" in r:
+                    row = dataclasses.replace(step_time.Row(**row_fields(r)), label="")
+                    self.measured.setdefault((row, r.get("live_peak_bytes") is not None), r)
+
     def remaining(self) -> float:
         return self.budget_s - (time.perf_counter() - self.started)
 
     def log(self, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    def estimate(self, name: str) -> Estimate:
+        """The section's estimate on a GPU; none (0 s) off CUDA, where the tiny mode runs everything."""
+        return ESTIMATES[name] if self.device.type == "cuda" else Estimate(0, 0, "off CUDA: no estimate")
+
     def run(self, name: str, section: Callable[[Run], dict[str, Any]]) -> None:
         started = time.perf_counter()
         title = f"## {name}"
-        if self.remaining() <= 0 and name != "plan":
-            result = {"status": "skipped", "reason": f"skipped: the {self.budget_s:.0f} s budget is spent"}
+        estimate, left = self.estimate(name), self.remaining()
+        if name != "plan" and (left <= 0 or left < estimate.start):
+            reason = (
+                f"skipped: {max(left, 0):.0f} s of the {self.budget_s:.0f} s budget left, below the "
+                f"{estimate.start:.0f} s it needs to start ({estimate.source}); run it with --only {name}"
+            )
+            result = {"status": "skipped", "reason": reason}
         else:
             self.log(f"[{time.perf_counter() - self.started:.0f} s] {name} ...")
+            self.current = name
             try:
                 result = {"status": "ok", **section(self)}
             except Skipped as skip:
                 result = {"status": "skipped", "reason": str(skip)}
             except Exception:  # noqa: BLE001  (recorded; the other sections still run)
                 result = {"status": "error", "error": traceback.format_exc(limit=-12), **self.partial.get(name, {})}
+            finally:
+                self.current = None
         result["seconds"] = time.perf_counter() - started
+        result["estimate_s"] = estimate.seconds
         self.results[name] = result
         body = result.get("text") or result.get("reason") or f"```\n{result.get('error')}\n```"
         self.markdown += [title, "", body, ""]
@@ -1279,7 +1666,10 @@ class Run:
         self.save()
 
     def save(self) -> None:
-        payload = {"environment": self.environment, "sections": self.results}
+        sections = dict(self.results)
+        if self.current is not None:  # what the running section has measured so far: a kill loses none of it
+            sections[self.current] = {"status": "running", **self.partial.get(self.current, {})}
+        payload = {"environment": self.environment, "sections": sections, "capture": self.capture}
         payload["total_seconds"] = time.perf_counter() - self.started
         (self.out / "gpu.json").write_text(json.dumps(payload, indent=2, default=str))
         (self.out / "gpu.md").write_text("\n".join(self.markdown))
@@ -1294,13 +1684,14 @@ SECTION_FUNCTIONS = {
     "step_time": section_step_time,
     "step_rows": section_step_rows,
     "fast_path": section_fast_path,
+    "fast_path_compile": section_fast_path_compile,
     "host_syncs": section_host_syncs,
     "scoring": section_scoring,
     "optimizer": section_optimizer,
     "cli_train": section_cli_train,
     "qfora": section_qfora,
     "memory_peak": section_memory_peak,
-    "engines": engines.section,
+    "engines": section_engines,
     "plan": section_plan,
 }
 
@@ -1314,13 +1705,19 @@ def main() -> int:
     parser.add_argument(
         "--budget",
         type=float,
-        help="seconds; sections not started by then are skipped (default: 420 on a GPU, 600 on the CPU)",
+        help="seconds; a section (a row) starts only if its estimate is left, else it is skipped (default: "
+        f"{DEFAULT_BUDGET_S['cuda']:.0f} on a GPU, {DEFAULT_BUDGET_S['cpu']:.0f} on the CPU)",
     )
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 with --tiny, else torch's)")
     parser.add_argument(
         "--measured",
         type=Path,
         help="an earlier GPU run's gpu.json: re-plan (b) here against its measurements (with --only plan)",
+    )
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        help="an earlier call's gpu.json: its measured rows are taken as they are, not measured again (a second call)",
     )
     parser.add_argument("--_plans", help=argparse.SUPPRESS)  # the child process of (b)
     parser.add_argument("--_plans-out", help=argparse.SUPPRESS)
@@ -1337,7 +1734,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     scale = tiny_scale() if args.tiny else gpu_scale()
-    budget = args.budget if args.budget is not None else 420.0 if device.type == "cuda" else 600.0
+    budget = args.budget if args.budget is not None else DEFAULT_BUDGET_S[device.type]
     ctx = Run(device, scale, out, budget)
     sections = [s for s in SECTIONS if args.only is None or s in args.only]
     if args.measured is not None and (sections != ["plan"] or args.tiny):
@@ -1350,6 +1747,8 @@ def main() -> int:
             ctx.use_measured(args.measured)
         else:
             ctx.environment = environment(device)
+        if args.reuse is not None:
+            ctx.reuse(args.reuse)
         print(f"## environment\n\n```\n{json.dumps(ctx.environment, indent=2)}\n```\n", flush=True)
         if "plan" in sections:
             start_plans(ctx)

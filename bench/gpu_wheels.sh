@@ -26,9 +26,11 @@
 #
 # (HF_*_OFFLINE: the machine reaches no network, and a library that tries would wait for its timeouts.)
 # $OUT gets gpu.json (every number, the GPU, the driver, every package version), gpu.md (the tables) and gpu.log.
-# Sections not started after --budget seconds (420) are skipped, and the JSON is rewritten after each section,
-# so a run cut short still brings back what it measured. To re-run only some sections in a second call, add e.g.
-# `--only qfora plan`.
+# The default --budget (430 s) keeps the whole command near 480 s: a section or row starts only if the budget has
+# its estimate left (the rest are skipped, saying so), and the JSON is rewritten after every row, so a run cut short
+# still brings back what it measured. The second call, at once: the first's gpu.json copied into the worktree, then
+# the same command with `--only fast_path step_rows --reuse bench/results/first-call.json --budget 200` added to
+# gpu.py's arguments (docs/gpu.md, "Running it").
 set -euo pipefail
 
 cd "$(dirname "$0")/.."

@@ -46,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -445,6 +446,10 @@ def release(device: torch.device) -> None:
     if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
+        # cuBLAS keeps a workspace per stream and handle until told: freed, each row's peak starts from one baseline.
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,6 +480,22 @@ def runs(num_layers: int, modes: tuple[str, ...] = MODES) -> list[tuple[str, str
     return out
 
 
+def grid(
+    setting: Setting,
+    checkpointing: tuple[bool, ...] = (False, True),
+    modes: tuple[str, ...] = MODES,
+    options: dict[str, tuple] | None = None,
+) -> list[Row]:
+    """The rows of the table (:func:`runs` per checkpointing); ``options``: mode -> its rows' FoRAConfig options."""
+    options = options or {}
+    num_layers = setting.model_config().num_hidden_layers
+    return [
+        Row(mode, placement, ckpt, options=options.get(mode, ()))
+        for ckpt in checkpointing
+        for mode, placement, _ in runs(num_layers, modes)
+    ]
+
+
 def measure_all(
     setting: Setting,
     device: torch.device,
@@ -492,17 +513,10 @@ def measure_all(
     """Every row of the table; ``options``: mode -> its rows' FoRAConfig options; ``profile(mode, placement,
     checkpointing)`` gives the steps to profile after the timed ones; ``on_row`` sees each row as it is done (to print
     or save it)."""
-    num_layers = setting.model_config().num_hidden_layers
-    options = options or {}
-    grid = [
-        Row(mode, placement, ckpt, options=options.get(mode, ()))
-        for ckpt in checkpointing
-        for mode, placement, _ in runs(num_layers, modes)
-    ]
     return measure_rows(
         setting,
         device,
-        grid,
+        grid(setting, checkpointing, modes, options),
         warmup=warmup,
         steps=steps,
         profile=lambda row: profile(row.mode, row.placement, row.checkpointing),
@@ -523,14 +537,44 @@ def measure_rows(
     live_memory: bool = False,
     clock: str = "wall",
     on_row: Callable[[dict[str, Any]], None] | None = None,
+    errors: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Each of ``rows`` measured in turn (see :func:`measure_all` for ``profile`` and ``on_row``)."""
-    num_layers = setting.model_config().num_hidden_layers
+    """Each of ``rows`` measured in turn (see :func:`measure_all` for ``profile`` and ``on_row``). With ``errors`` (a
+    list), a row that raises is appended there (its fields and its traceback's last lines) and the others still run;
+    without, the error propagates."""
     results = []
     for row in rows:
-        layers = placements(num_layers)[row.placement] if row.placement in placements(num_layers) else None
-        result = {**dataclasses.asdict(row), "layers": layers}
-        profile_steps = profile(row)
+        try:
+            result = _measure_row(setting, device, row, warmup, steps, profile(row), live_memory, clock)
+        except Exception as error:
+            if errors is None:
+                raise
+            tail = traceback.format_exc(limit=-6)[-3000:]
+            errors.append(
+                {**dataclasses.asdict(row), "exception": type(error).__name__, "message": str(error), "error": tail}
+            )
+            release(device)
+            continue
+        results.append(result)
+        if on_row is not None:
+            on_row(result)
+    return results
+
+
+def _measure_row(
+    setting: Setting,
+    device: torch.device,
+    row: Row,
+    warmup: int,
+    steps: int,
+    profile_steps: int,
+    live_memory: bool,
+    clock: str,
+) -> dict[str, Any]:
+    num_layers = setting.model_config().num_hidden_layers
+    layers = placements(num_layers)[row.placement] if row.placement in placements(num_layers) else None
+    result = {**dataclasses.asdict(row), "layers": layers}
+    try:
         with tempfile.TemporaryDirectory() as tmp:
             common = dict(checkpointing=row.checkpointing, accumulation=row.accumulation, data=row.data)
             if row.mode == "frozen":
@@ -552,11 +596,9 @@ def measure_rows(
                 )
                 result.update(timed)
                 del trainer
+    finally:
         release(device)
-        results.append(result)
-        if on_row is not None:
-            on_row(result)
-    return results
+    return result
 
 
 def frozen_base(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import io
+import math
 import subprocess
 import sys
 import tarfile
@@ -134,6 +135,11 @@ def run(
     return {"params": params, "optimizer": opt, "syncs": syncs, "skipped": opt.skipped_steps()}
 
 
+def _worse(a: float, b: float) -> float:
+    """The larger difference, NaN if either is (``max`` would keep 0.0 over a NaN: a NaN'd run would pass)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
 def differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """The largest differences between two runs of one kind, in parameters and in optimizer state (the state both
     keep), whether the dtypes agree, and the skipped steps of each."""
@@ -141,11 +147,11 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     dtypes_match = True
     for p, q in zip(a["params"], b["params"]):
         dtypes_match &= p.dtype == q.dtype
-        param_diff = max(param_diff, (p.detach().double() - q.detach().double()).abs().max().item())
+        param_diff = _worse(param_diff, (p.detach().double() - q.detach().double()).abs().max().item())
         theirs = b["optimizer"].state[q]
         for key, value in a["optimizer"].state[p].items():
             if key in theirs:
-                state_diff = max(state_diff, (value.double() - theirs[key].double()).abs().max().item())
+                state_diff = _worse(state_diff, (value.double() - theirs[key].double()).abs().max().item())
     return {
         "max_param_diff": param_diff,
         "max_state_diff": state_diff,

@@ -13,6 +13,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def gpu_module():
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu
+
+    return gpu
+
+
 def positive(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
@@ -42,8 +49,10 @@ def test_every_section_ran_or_says_it_needs_cuda(report):
         "qfora": "skipped",
         "memory_peak": "skipped",
         "engines": "ok",
+        "fast_path_compile": "skipped",
         "plan": "ok",
     }
+    assert list(sections) == list(gpu_module().SECTIONS)  # in the order of value to the open issues
     assert sections["qfora"]["reason"].startswith("skipped: needs CUDA")
     env = report["environment"]
     assert env["packages"]["torch"] and env["packages"]["transformers"] and env["fora_plugin"]
@@ -219,3 +228,153 @@ def test_peak_sites_replays_an_allocator_trace_to_its_peak():
         "(no Python frame: the autograd engine's backward)": 30,
     }
     assert [b["bytes"] for b in found["largest"]] == [120, 50, 30]
+
+
+def test_fast_path_table_finds_fora_rows_that_carry_the_captured_step():
+    """fora's rows carry ("cuda_graph", True) beside the combination's options on a GPU: the table must find them
+    (it showed "—" for fora when it looked them up by the combination's options alone)."""
+    gpu = gpu_module()
+
+    def row(mode, ms, options=()):
+        return {
+            "mode": mode,
+            "placement": "all" if mode == "lora" else "top half",
+            "checkpointing": False,
+            "data": "commonsense",
+            "accumulation": 1,
+            "options": list(options),  # as read back from JSON
+            "sft_options": [],
+            "label": "input cast off",
+            "ms_per_step": ms,
+        }
+
+    captured = {"fora": (gpu.CAPTURED,)}
+    rows = [row("lora", 200.0), row("fg-lora", 150.0), row("fora", 140.0, [list(gpu.CAPTURED)])]
+    (line,) = gpu.fast_path_table(rows, captured)[2:]
+    assert line == "| commonsense | off | input cast off | 200.0 | 150.0 | 140.0 | **0.700** | **0.933** |"
+
+
+def test_module_patches_undone_puts_back_what_a_global_patch_replaced():
+    """A stand-in for Liger's apply_liger_kernel_to_llama (which needs a GPU): it replaces module-level functions and
+    classes of transformers' Llama modelling and a class's forward; every one is back after the context."""
+    from transformers.models.llama import modeling_llama
+
+    gpu = gpu_module()
+    names = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
+    before = {name: getattr(modeling_llama, name) for name in names}
+    forward = modeling_llama.LlamaForCausalLM.forward
+
+    def patch():
+        for name in names:
+            setattr(modeling_llama, name, object())
+        modeling_llama.LlamaForCausalLM.forward = lambda self, *a, **k: None
+        modeling_llama.LlamaModel.added_by_patch = True
+        modeling_llama.added_by_patch = True
+
+    with gpu.module_patches_undone(modeling_llama):
+        patch()
+        assert modeling_llama.LlamaMLP is not before["LlamaMLP"]
+    assert {name: getattr(modeling_llama, name) for name in names} == before
+    assert modeling_llama.LlamaForCausalLM.forward is forward
+    assert not hasattr(modeling_llama.LlamaModel, "added_by_patch") and not hasattr(modeling_llama, "added_by_patch")
+
+
+def test_a_section_starts_only_with_its_estimate_left_and_saves_what_it_measured(tmp_path):
+    """On a GPU a section whose estimate exceeds what is left of the budget is skipped with the reason; one that
+    runs has its partial results in gpu.json while it runs."""
+    import torch
+
+    gpu = gpu_module()
+    ctx = gpu.Run(torch.device("cuda"), gpu.tiny_scale(), tmp_path, budget_s=100.0)  # nothing touches CUDA here
+    seen = {}
+
+    def scoring(ctx):
+        ctx.partial["scoring"] = {"runs": [1]}
+        ctx.save()
+        seen.update(json.loads((tmp_path / "gpu.json").read_text())["sections"])
+        return {"text": "done"}
+
+    ctx.run("engines", lambda ctx: {"text": "ran"})  # 170 s estimate
+    ctx.run("scoring", scoring)  # 10 s
+    sections = ctx.results
+    assert sections["engines"]["status"] == "skipped"
+    assert "below the 170 s it needs to start" in sections["engines"]["reason"]
+    assert "--only engines" in sections["engines"]["reason"]
+    assert sections["scoring"]["status"] == "ok" and seen["scoring"] == {"status": "running", "runs": [1]}
+    ctx.close()
+
+
+def test_a_failed_captured_row_turns_the_capture_off_and_is_measured_eager(tmp_path, monkeypatch):
+    """measure_row: a captured fora row that fails is recorded, the capture is off for the rest of the run (fora's
+    options and the rows after), the row is measured again eager; a row measured before is reused, not rerun."""
+    import dataclasses
+
+    import torch
+
+    gpu = gpu_module()
+    calls = []
+
+    def fake_measure_rows(setting, device, rows, *, errors, **kwargs):
+        (row,) = rows
+        calls.append(row)
+        if gpu.CAPTURED in row.options:
+            errors.append({**dataclasses.asdict(row), "exception": "RuntimeError", "message": "capture", "error": ""})
+            return []
+        return [{**dataclasses.asdict(row), "ms_per_step": 1.0, "max_memory_allocated": None}]
+
+    monkeypatch.setattr(gpu.step_time, "measure_rows", fake_measure_rows)
+    ctx = gpu.Run(torch.device("cuda"), gpu.tiny_scale(), tmp_path, budget_s=100.0)
+    ctx.capture = {"ok": True, "reason": ""}
+    state = gpu.begin_rows(ctx, "step_time")
+    fora = gpu.step_time.Row("fora", "top half", False, options=(gpu.CAPTURED,))
+    result = gpu.measure_row(ctx, state, fora)
+    assert [c.options for c in calls] == [(gpu.CAPTURED,), ()]
+    assert result["options"] == () and len(state["failed"]) == 1 and state["rows"] == [result]
+    assert ctx.capture["ok"] is False and gpu.fora_options(ctx) == {}
+    assert "EAGER" in gpu.fora_step_line(ctx)
+    again = gpu.measure_row(ctx, state, dataclasses.replace(fora, label="again"))  # captured asked: eager, reused
+    assert len(calls) == 2 and again["reused"] and again["label"] == "again"
+    ctx.budget_s = 0.0
+    assert gpu.measure_row(ctx, state, gpu.step_time.Row("lora", "all", True)) is None
+    assert state["left_out"] == ["lora all ckpt on —"]
+    ctx.run("step_time", lambda ctx: {"rows": state["rows"]})  # skipped (no budget), saved
+    ctx.results["step_time"] = {"status": "ok", "rows": state["rows"]}
+    ctx.save()
+    ctx.close()
+    # A second call (--reuse the first's gpu.json): the measured row is taken, not measured again.
+    second = gpu.Run(torch.device("cuda"), gpu.tiny_scale(), tmp_path / "second", budget_s=100.0)
+    (tmp_path / "second").mkdir()
+    second.reuse(tmp_path / "gpu.json")
+    state = gpu.begin_rows(second, "fast_path")
+    assert gpu.measure_row(second, state, dataclasses.replace(fora, options=(), label="x"))["reused"]
+    assert len(calls) == 2 and second.capture["ok"] is False
+    second.close()
+
+
+def test_the_capture_check_turns_fora_eager_when_it_misses_or_raises(tmp_path, monkeypatch):
+    """check_capture's verdict on tests/capture_check.py's results (stood in for: it needs CUDA graphs)."""
+    import torch
+
+    gpu = gpu_module()
+    import optimizer as optimizer_bench
+
+    def results(bf16_diff):
+        return [
+            {"kind": kind, "max_param_diff": 0.0, "max_state_diff": diff, "dtypes_match": True, "skipped": (1, 1)}
+            for kind, diff in (("fp32", 0.0), ("bf16", bf16_diff))
+        ]
+
+    ctx = gpu.Run(torch.device("cuda"), gpu.tiny_scale(), tmp_path, budget_s=100.0)
+    monkeypatch.setattr(optimizer_bench, "capture_checks", lambda: results(1e-7))
+    assert "passed" in gpu.check_capture(ctx) and gpu.fora_options(ctx) == {"fora": (gpu.CAPTURED,)}
+    monkeypatch.setattr(optimizer_bench, "capture_checks", lambda: results(float("nan")))
+    assert "FAILED" in gpu.check_capture(ctx) and gpu.fora_options(ctx) == {}
+    assert "kinds ['bf16']" in ctx.capture["reason"]
+
+    def raises():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(optimizer_bench, "capture_checks", raises)
+    assert "raised" in gpu.check_capture(ctx) and not ctx.capture["ok"]
+    assert "operation not permitted" in gpu.fora_step_line(ctx)
+    ctx.close()

@@ -85,3 +85,26 @@ def test_step_timer_splits_each_step_at_the_optimizer_step(step_time, monkeypatc
         timer.on_step_end(None, None, None)
     # (step, forward + backward, optimizer phase, its optimizer.step, the host's CPU time in the phase)
     assert timer.milliseconds() == [(500.0, 250.0, 250.0, 125.0, 500.0), (750.0, 500.0, 250.0, 125.0, 250.0)]
+
+
+def test_measure_rows_records_a_failed_row_and_measures_the_others(step_time, monkeypatch):
+    import torch
+
+    def fake_row(setting, device, row, *args):
+        if row.mode == "fora":
+            raise RuntimeError("captured step failed\nsecond line")
+        return {"mode": row.mode, "ms_per_step": 1.0}
+
+    monkeypatch.setattr(step_time, "_measure_row", fake_row)
+    rows = [step_time.Row("lora", "all", False), step_time.Row("fora", "top half", False)]
+    rows.append(step_time.Row("fg-lora", "top half", False))
+    errors = []
+    seen = []
+    setting, cpu = step_time.SETTINGS["tiny"], torch.device("cpu")
+    results = step_time.measure_rows(setting, cpu, rows, warmup=1, steps=1, errors=errors, on_row=seen.append)
+    assert [r["mode"] for r in results] == ["lora", "fg-lora"] and seen == results
+    (failed,) = errors
+    assert (failed["mode"], failed["exception"]) == ("fora", "RuntimeError")
+    assert failed["message"].startswith("captured step failed") and "second line" in failed["error"]
+    with pytest.raises(RuntimeError, match="captured step failed"):  # without a list the error propagates
+        step_time.measure_rows(setting, cpu, rows, warmup=1, steps=1)
