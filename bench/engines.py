@@ -61,7 +61,16 @@ BUDGET_S = {"cuda": 170.0, "cpu": 1200.0}
 # takes (about 20 s on a GPU machine, 30 s on a 2-core CPU).
 LAUNCH_TIMEOUT_S = {"cuda": 120.0, "cpu": 600.0}
 # Past the budget, what a launch started before it may still take (then it is stopped): a launch takes 15-30 s.
-GRACE_S = {"cuda": 45.0, "cpu": 600.0}
+GRACE_S = {"cuda": 30.0, "cpu": 600.0}
+# How long a stopped launch is given to end after each of SIGTERM and SIGKILL.
+KILL_WAIT_S = 15.0
+
+
+def overrun_s(device_type: str) -> float:
+    """The most a launch started just before the budget ends can add past it: its grace, then SIGTERM and SIGKILL."""
+    return GRACE_S[device_type] + 2 * KILL_WAIT_S
+
+
 # Learning rates above the shipped configs' (2e-4, 1e-3): 10 steps then move lora_B by several times the bf16
 # tolerance (by about 0.4 x fora_lr_stiefel of its norm in the tiny CPU mode), so that a wrong or missing lora_B step
 # cannot pass as bf16 rounding.
@@ -252,7 +261,7 @@ def launch(commands: list[list[str]], env: dict[str, str], log: Path, timeout: f
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(other.pid, sig)
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(timeout=15)
+                    process.wait(timeout=KILL_WAIT_S)
             process.wait()
             codes.append(124)
     tail = "\n".join(path.read_text(errors="replace")[-3000:] for path in logs)
@@ -404,7 +413,7 @@ def start_plan(engine: Engine | None, config: str, train: list[str], out: Path, 
 
 def collect_plan(process: subprocess.Popen, out: Path, timeout: float) -> dict[str, Any]:
     try:
-        process.wait(timeout=max(10.0, timeout))
+        process.wait(timeout=max(1.0, timeout))  # past the budget a plan not done is not waited for
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()

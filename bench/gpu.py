@@ -121,7 +121,11 @@ ESTIMATES = {
     "plan": Estimate(0, 0, "the child process ran beside the sections: 0 s of waiting on the H100"),
 }
 DEFAULT_BUDGET_S = {"cuda": 430.0, "cpu": 1800.0}
-# What engines leaves of the budget for its reloads and plans after its last launch.
+# What an earlier call's environment must share with this one for --reuse to take its rows: the same device, card,
+# driver and package versions (a second call may land on a fresh machine, even an H200).
+REUSE_SAME = ("device", "gpu", "driver", "packages")
+# What engines leaves of the budget for its reloads and plans after its last launch (besides what a launch started
+# just before its end may overrun, engines.overrun_s).
 ENGINES_MARGIN_S = 30.0
 PACKAGES = (
     "torch",
@@ -312,9 +316,9 @@ def measure_row(
     ctx: Run, state: dict[str, Any], row: step_time.Row, *, profile_steps: int = 0, live_memory: bool = False
 ) -> dict[str, Any] | None:
     """One row into ``state`` (see :func:`begin_rows`), the JSON rewritten after it: left out if the budget has not
-    its estimate left; fora eager where the capture failed (a captured row that fails turns the capture off for the
-    rest of the run and is measured again eager); a row measured before at the same settings (another section's)
-    reused; a failed row recorded with its error."""
+    its estimate left; fora eager where the capture failed (a captured row that fails is measured again eager, and
+    if that runs, the capture is off for the rest of the run); a row measured before at the same settings (another
+    section's) reused; a failed row recorded with its error."""
     if CAPTURED in row.options and not capture_ok(ctx):
         row = dataclasses.replace(row, options=tuple(o for o in row.options if o != CAPTURED))
     key = (dataclasses.replace(row, label=""), live_memory)
@@ -341,12 +345,17 @@ def measure_row(
         if errors:
             state["failed"].append(errors[0])
             ctx.log(f"  {row_name(row)}: {errors[0]['exception']}: {errors[0]['message'][:200]}")
-            if CAPTURED in row.options:
-                ctx.capture = {"ok": False, "reason": f"the captured trainer row {row_name(row)} failed"}
-                ctx.save()
-                return measure_row(ctx, state, row, profile_steps=profile_steps, live_memory=live_memory)
             ctx.save()
-            return None
+            if CAPTURED not in row.options:
+                return None
+            # The same row eager: only if that runs was the capture what failed (a Liger or memory error fails both),
+            # and only then is the capture off for the rest of the run.
+            eager = dataclasses.replace(row, options=tuple(o for o in row.options if o != CAPTURED))
+            result = measure_row(ctx, state, eager, profile_steps=profile_steps, live_memory=live_memory)
+            if result is not None:  # run now or before
+                ctx.capture = {"ok": False, "reason": f"the captured trainer row {row_name(row)} failed, eager it ran"}
+                ctx.save()
+            return result
         (result,) = results
         ctx.measured[key] = result
     state["rows"].append(result)
@@ -1101,21 +1110,22 @@ def host_sync_case(ctx: Run, fora: dict[str, Any]) -> dict[str, Any]:
 def section_host_syncs(ctx: Run) -> dict[str, Any]:
     """The trainer's FoRA optimizer as the step rows run it (captured on CUDA unless the capture check failed) and,
     on CUDA, eager beside it."""
-    cases = {"as the rows run it": dict(fora_options(ctx).get("fora", ()))}
+    options = dict(fora_options(ctx).get("fora", ()))
+    cases = {"as the rows run it": options}
     if ctx.device.type == "cuda":
-        cases = {
-            "captured" if cases["as the rows run it"] else "eager (the capture is off)": cases["as the rows run it"],
-            "eager": {"cuda_graph": False},
-        }
+        eager = {"eager": {"cuda_graph": False}}
+        cases = {"captured": options, **eager} if options else {"eager (the capture is off)": {}}
     results, failed = {}, {}
-    for label, options in cases.items():
+    for label, case_options in cases.items():
         try:
-            results[label] = host_sync_case(ctx, options)
+            results[label] = host_sync_case(ctx, case_options)
         except Exception:  # noqa: BLE001  (the other case still runs: a captured step that fails is the finding)
             failed[label] = traceback.format_exc(limit=-6)
+        if label in failed:  # released past the except block, whose traceback still holds the failed trainer
             step_time.release(ctx.device)
-            if options.get("cuda_graph"):
-                ctx.capture = {"ok": False, "reason": "the trainer's captured optimizer failed in host_syncs"}
+    if "captured" in failed and "eager" in results:  # the capture, not the trainer, failed
+        reason = "the trainer's captured optimizer failed in host_syncs, its eager one ran"
+        ctx.capture = {"ok": False, "reason": reason}
     if not results:
         raise RuntimeError("every case failed:\n" + "\n".join(failed.values()))
     lines = [
@@ -1233,6 +1243,15 @@ def section_optimizer(ctx: Run) -> dict[str, Any]:
                     f"| {name} | {implementation} | {c['steps']} | {c['matrices']} | {c['max_abs_diff']:.1e} "
                     f"| {c['relative']:.1e} | {verdict} |"
                 )
+    # The trainer rows' own shapes (the 3B top half, staged: CUDA's default): a miss there turns them eager too.
+    trainer_set = real_scale.get(LLAMA_3B_TOP_HALF[0], {}).get("staged")
+    if trainer_set is not None and not trainer_set["relative"] <= CAPTURE_GOAL and capture_ok(ctx):
+        ctx.capture = {
+            "ok": False,
+            "reason": f"captured against eager at the trainer's shapes ({LLAMA_3B_TOP_HALF[0]}, staged) missed: "
+            f"relative {trainer_set['relative']:.1e}, goal ≤ {CAPTURE_GOAL:.0e}",
+        }
+        lines += ["", f"The trainer rows run fora eager: {ctx.capture['reason']}."]
     if capture_text is not None:
         lines = [capture_text, "", *lines]
     lines += ["", f"Top ops of 3 eager Cayley-Adam steps (the default), {profiled}:", "```", profile, "```"]
@@ -1568,7 +1587,8 @@ def section_memory_peak(ctx: Run) -> dict[str, Any]:
 def section_engines(ctx: Run) -> dict[str, Any]:
     """bench/engines.py, its launches started only while the run's budget, less what the reloads and plans after the
     last launch take, lasts."""
-    return engines.section(ctx, budget_s=ctx.remaining() - ENGINES_MARGIN_S)
+    tail = ENGINES_MARGIN_S + engines.overrun_s(ctx.device.type)
+    return engines.section(ctx, budget_s=ctx.remaining() - tail)
 
 
 # ---------------------------------------------------------------------------------------------------------- run
@@ -1619,7 +1639,16 @@ class Run:
     def reuse(self, path: Path) -> None:
         """Take the rows an earlier call measured (its gpu.json) as measured: a second call runs only the others."""
         data = json.loads(path.read_text())
+        earlier, now = data.get("environment") or {}, self.environment or {}
+        differ = [key for key in REUSE_SAME if earlier.get(key) != now.get(key)]
+        if differ:
+            shown = "; ".join(f"{key}: {earlier.get(key)!r} there, {now.get(key)!r} here" for key in differ)
+            raise SystemExit(
+                f"--reuse {path}: measured on another machine or software ({shown}); its rows would be mixed with "
+                "this one's. Run without --reuse (every section), or give the gpu.json of a call on this machine."
+            )
         self.capture = data.get("capture") or self.capture
+        self.rows = data["sections"].get("step_time", {}).get("rows") or self.rows
         for section in data["sections"].values():
             for r in section.get("rows") if isinstance(section.get("rows"), list) else []:
                 if "ms_per_step" in r and "mode" in r:

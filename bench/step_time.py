@@ -445,11 +445,12 @@ def release(device: torch.device) -> None:
     (On the CPU nothing is measured by an allocator, and a full collection costs half a second.)"""
     if device.type == "cuda":
         gc.collect()
-        torch.cuda.empty_cache()
-        # cuBLAS keeps a workspace per stream and handle until told: freed, each row's peak starts from one baseline.
+        # cuBLAS keeps a workspace per stream and handle until told: freed, each row's peak starts from one baseline
+        # (before empty_cache, which then returns their blocks too).
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if clear is not None:
             clear()
+        torch.cuda.empty_cache()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -553,6 +554,10 @@ def measure_rows(
             errors.append(
                 {**dataclasses.asdict(row), "exception": type(error).__name__, "message": str(error), "error": tail}
             )
+            result = None
+        if result is None:
+            # Released here, not in the except block: there the traceback's frames still hold the failed row's
+            # trainer and model, and the next row's peak would count them.
             release(device)
             continue
         results.append(result)

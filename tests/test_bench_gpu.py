@@ -348,7 +348,42 @@ def test_a_failed_captured_row_turns_the_capture_off_and_is_measured_eager(tmp_p
     state = gpu.begin_rows(second, "fast_path")
     assert gpu.measure_row(second, state, dataclasses.replace(fora, options=(), label="x"))["reused"]
     assert len(calls) == 2 and second.capture["ok"] is False
+    # step_rows' tables compare with the first call's step_time rows (as its JSON holds them).
+    assert second.rows == json.loads(json.dumps(ctx.results["step_time"]["rows"]))
     second.close()
+    # ... but not the rows of another machine or other software.
+    third = gpu.Run(torch.device("cuda"), gpu.tiny_scale(), tmp_path / "third", budget_s=100.0)
+    third.environment = {"gpu": "NVIDIA H200"}
+    with pytest.raises(SystemExit, match=r"--reuse .*gpu\.json: measured on another machine.*gpu: None there, "):
+        third.reuse(tmp_path / "gpu.json")
+    third.close()
+
+
+def test_a_captured_row_that_fails_eager_too_leaves_the_capture_on(tmp_path, monkeypatch):
+    """A fora row that fails captured and eager alike (a Liger or memory error, not the capture's) is recorded twice;
+    the capture stays on for the rows after."""
+    import dataclasses
+
+    import torch
+
+    gpu = gpu_module()
+    calls = []
+
+    def failing(setting, device, rows, *, errors, **kwargs):
+        (row,) = rows
+        calls.append(row.options)
+        errors.append({**dataclasses.asdict(row), "exception": "OutOfMemoryError", "message": "oom", "error": ""})
+        return []
+
+    monkeypatch.setattr(gpu.step_time, "measure_rows", failing)
+    ctx = gpu.Run(torch.device("cuda"), gpu.tiny_scale(), tmp_path, budget_s=100.0)
+    ctx.capture = {"ok": True, "reason": ""}
+    state = gpu.begin_rows(ctx, "fast_path")
+    fora = gpu.step_time.Row("fora", "top half", False, options=(gpu.CAPTURED,))
+    assert gpu.measure_row(ctx, state, fora) is None
+    assert calls == [(gpu.CAPTURED,), ()] and len(state["failed"]) == 2
+    assert ctx.capture["ok"] is True and gpu.fora_options(ctx)
+    ctx.close()
 
 
 def test_the_capture_check_turns_fora_eager_when_it_misses_or_raises(tmp_path, monkeypatch):

@@ -108,3 +108,38 @@ def test_measure_rows_records_a_failed_row_and_measures_the_others(step_time, mo
     assert failed["message"].startswith("captured step failed") and "second line" in failed["error"]
     with pytest.raises(RuntimeError, match="captured step failed"):  # without a list the error propagates
         step_time.measure_rows(setting, cpu, rows, warmup=1, steps=1)
+
+
+def test_a_failed_rows_trainer_is_gone_when_the_next_row_starts(step_time, monkeypatch):
+    """The release after a failed row runs where the failure's traceback no longer holds the row's frames: its
+    trainer (here a stand-in kept alive by a reference cycle, as accelerate's wrappers keep a trainer) is collected
+    before the next row, whose peak would otherwise count it."""
+    import gc
+    import weakref
+
+    import torch
+
+    class Trainer:
+        def __init__(self):
+            self.me = self  # a cycle: only a collection frees it
+
+    alive = []
+
+    def fake_row(setting, device, row, *args):
+        trainer = Trainer()
+        alive.append(weakref.ref(trainer))
+        if row.mode == "fora":
+            raise RuntimeError("failed")
+        return {"mode": row.mode, "ms_per_step": 1.0}
+
+    at_release = []
+
+    def release(device):
+        gc.collect()
+        at_release.append([ref() is not None for ref in alive])
+
+    monkeypatch.setattr(step_time, "_measure_row", fake_row)
+    monkeypatch.setattr(step_time, "release", release)
+    rows = [step_time.Row("fora", "top half", False), step_time.Row("lora", "all", False)]
+    step_time.measure_rows(step_time.SETTINGS["tiny"], torch.device("cpu"), rows, warmup=1, steps=1, errors=[])
+    assert at_release == [[False]], at_release  # the failed row's trainer was collected at its release

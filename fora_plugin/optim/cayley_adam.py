@@ -509,11 +509,17 @@ def _cusolver() -> Iterator[None]:
         yield
         return
     previous = torch.backends.cuda.preferred_linalg_library()
-    torch.backends.cuda.preferred_linalg_library("cusolver")
+    with warnings.catch_warnings():
+        # torch warns once per process that the setting is experimental, as if the user had asked for it.
+        warnings.filterwarnings("ignore", message=_EXPERIMENTAL_BACKEND_WARNING)
+        torch.backends.cuda.preferred_linalg_library("cusolver")
     try:
         yield
     finally:
         torch.backends.cuda.preferred_linalg_library(previous)
+
+
+_EXPERIMENTAL_BACKEND_WARNING = r"torch\.backends\.cuda\.preferred_linalg_library is an experimental feature"
 
 
 # device type -> the context the step's small linear algebra (Cholesky factors, triangular and LU solves of 2r x 2r
