@@ -264,6 +264,11 @@ def row_name(row: step_time.Row) -> str:
 CAPTURED = ("cuda_graph", True)
 
 
+def eager(row: step_time.Row) -> step_time.Row:
+    """``row`` with fora's step eager: without :data:`CAPTURED`."""
+    return dataclasses.replace(row, options=tuple(o for o in row.options if o != CAPTURED))
+
+
 @contextlib.contextmanager
 def module_patches_undone(*modules):
     """Everything assigned at the top level of ``modules`` and on their classes inside, put back on exit.
@@ -320,7 +325,7 @@ def measure_row(
     if that runs, the capture is off for the rest of the run); a row measured before at the same settings (another
     section's) reused; a failed row recorded with its error."""
     if CAPTURED in row.options and not capture_ok(ctx):
-        row = dataclasses.replace(row, options=tuple(o for o in row.options if o != CAPTURED))
+        row = eager(row)
     key = (dataclasses.replace(row, label=""), live_memory)
     if key in ctx.measured:
         result = {**ctx.measured[key], "label": row.label, "reused": True}
@@ -350,8 +355,7 @@ def measure_row(
                 return None
             # The same row eager: only if that runs was the capture what failed (a Liger or memory error fails both),
             # and only then is the capture off for the rest of the run.
-            eager = dataclasses.replace(row, options=tuple(o for o in row.options if o != CAPTURED))
-            result = measure_row(ctx, state, eager, profile_steps=profile_steps, live_memory=live_memory)
+            result = measure_row(ctx, state, eager(row), profile_steps=profile_steps, live_memory=live_memory)
             if result is not None:  # run now or before
                 ctx.capture = {"ok": False, "reason": f"the captured trainer row {row_name(row)} failed, eager it ran"}
                 ctx.save()
@@ -872,7 +876,7 @@ def section_plan(ctx: Run) -> dict[str, Any]:
     for r in ctx.rows or []:
         ckpt = "on" if r["checkpointing"] else "off"
         plan_name = f"ckpt {ckpt}, top half" if r["placement"] == "top half" else f"ckpt {ckpt}, scoring + every 2nd"
-        if list(CAPTURED) in [list(o) for o in r.get("options", ())]:
+        if CAPTURED in row_fields(r)["options"]:
             plan_name += ", captured"
         compare(f"{r['mode']} {r['placement']} ckpt {ckpt}: step", plan_name, r["mode"], "step", r[measured_key])
     for s in (ctx.results.get("scoring") or {}).get("runs", []):
@@ -1113,8 +1117,8 @@ def section_host_syncs(ctx: Run) -> dict[str, Any]:
     options = dict(fora_options(ctx).get("fora", ()))
     cases = {"as the rows run it": options}
     if ctx.device.type == "cuda":
-        eager = {"eager": {"cuda_graph": False}}
-        cases = {"captured": options, **eager} if options else {"eager (the capture is off)": {}}
+        eager_case = {"eager": {"cuda_graph": False}}
+        cases = {"captured": options, **eager_case} if options else {"eager (the capture is off)": {}}
     results, failed = {}, {}
     for label, case_options in cases.items():
         try:

@@ -555,10 +555,10 @@ def measure_rows(
                 {**dataclasses.asdict(row), "exception": type(error).__name__, "message": str(error), "error": tail}
             )
             result = None
+        # Released here after every row, not inside the row or the except block: while its error unwinds, the
+        # traceback's frames still hold a failed row's trainer and model, and the next row's peak would count them.
+        release(device)
         if result is None:
-            # Released here, not in the except block: there the traceback's frames still hold the failed row's
-            # trainer and model, and the next row's peak would count them.
-            release(device)
             continue
         results.append(result)
         if on_row is not None:
@@ -579,30 +579,27 @@ def _measure_row(
     num_layers = setting.model_config().num_hidden_layers
     layers = placements(num_layers)[row.placement] if row.placement in placements(num_layers) else None
     result = {**dataclasses.asdict(row), "layers": layers}
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            common = dict(checkpointing=row.checkpointing, accumulation=row.accumulation, data=row.data)
-            if row.mode == "frozen":
-                result.update(frozen_base(setting, device, tmp, warmup=warmup, steps=steps, clock=clock, **common))
-            else:
-                trainer = build_trainer(
-                    setting,
-                    device,
-                    tmp,
-                    mode=row.mode,
-                    layers=layers,
-                    max_steps=warmup + steps + profile_steps,
-                    fora_options=dict(row.options),
-                    sft_options=dict(row.sft_options),
-                    **common,
-                )
-                timed = time_steps(
-                    trainer, device, warmup=warmup, profile_steps=profile_steps, live=live_memory, clock=clock
-                )
-                result.update(timed)
-                del trainer
-    finally:
-        release(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        common = dict(checkpointing=row.checkpointing, accumulation=row.accumulation, data=row.data)
+        if row.mode == "frozen":
+            result.update(frozen_base(setting, device, tmp, warmup=warmup, steps=steps, clock=clock, **common))
+        else:
+            trainer = build_trainer(
+                setting,
+                device,
+                tmp,
+                mode=row.mode,
+                layers=layers,
+                max_steps=warmup + steps + profile_steps,
+                fora_options=dict(row.options),
+                sft_options=dict(row.sft_options),
+                **common,
+            )
+            timed = time_steps(
+                trainer, device, warmup=warmup, profile_steps=profile_steps, live=live_memory, clock=clock
+            )
+            result.update(timed)
+            del trainer
     return result
 
 

@@ -9,6 +9,7 @@ May import: adapter, optim.dtensor, optim.masters, stiefel.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections import defaultdict
@@ -509,17 +510,23 @@ def _cusolver() -> Iterator[None]:
         yield
         return
     previous = torch.backends.cuda.preferred_linalg_library()
-    with warnings.catch_warnings():
-        # torch warns once per process that the setting is experimental, as if the user had asked for it.
-        warnings.filterwarnings("ignore", message=_EXPERIMENTAL_BACKEND_WARNING)
-        torch.backends.cuda.preferred_linalg_library("cusolver")
+    _first_cusolver_choice()
+    torch.backends.cuda.preferred_linalg_library("cusolver")
     try:
         yield
     finally:
         torch.backends.cuda.preferred_linalg_library(previous)
 
 
-_EXPERIMENTAL_BACKEND_WARNING = r"torch\.backends\.cuda\.preferred_linalg_library is an experimental feature"
+@functools.cache
+def _first_cusolver_choice() -> None:
+    """The process's first choice of cuSOLVER, without the warning torch gives once a process that the setting is
+    experimental, as if the user had asked for it (later choices do not warn: no filter on every step)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"torch\.backends\.cuda\.preferred_linalg_library is an experimental feature"
+        )
+        torch.backends.cuda.preferred_linalg_library("cusolver")
 
 
 # device type -> the context the step's small linear algebra (Cholesky factors, triangular and LU solves of 2r x 2r
