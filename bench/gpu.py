@@ -102,17 +102,12 @@ class Estimate:
 ROW_S = 11.0
 COMPILE_ROW_S = 90.0  # a guess: the 3B model compiled by dynamo and inductor, forward and backward, then 13 steps
 ESTIMATES = {
-    "optimizer": Estimate(
-        60,
-        60,
-        "a guess: 13-19 s on the H100 with fewer rows; now every implementation eager and "
-        "captured, the 3B set, the capture check",
-    ),
-    "host_syncs": Estimate(20, 20, "2.4-5.5 s on the H100 for one trainer; now two (captured, eager) and a profile"),
-    "step_time": Estimate(110, ROW_S, "10 rows, 101-109 s on the H100"),
-    "engines": Estimate(170, 170, "a guess (never run on a GPU): 6 launches of 15-20 s, reloads, plans; docs/gpu.md"),
-    "fast_path": Estimate(18 * ROW_S, ROW_S, "18 rows as step_time's (a guess for the Liger rows' Triton compiles)"),
-    "step_rows": Estimate(11 * ROW_S, ROW_S, "8 rows as step_time's, the 3 with 4 micro-batches about twice"),
+    "optimizer": Estimate(60, 60, "58.4 s on the H100 (2026-11-28): each implementation eager and captured"),
+    "host_syncs": Estimate(15, 15, "13.1 s on the H100 (2026-11-28): two trainers (captured, eager) and a profile"),
+    "step_time": Estimate(100, ROW_S, "10 rows, 93-109 s on the H100"),
+    "engines": Estimate(230, 230, "7 launches, reloads and plans in 200 s on the H100 (2026-11-28), and the gloo row"),
+    "fast_path": Estimate(18 * ROW_S, ROW_S, "18 rows as step_time's; 7 of them, the Liger rows' compiles in, 61 s"),
+    "step_rows": Estimate(11 * ROW_S, ROW_S, "8 rows, the 3 with 4 micro-batches about twice; 7 in 41 s"),
     "scoring": Estimate(10, 10, "8.3 s on the H100"),
     "qfora": Estimate(25, 25, "21-25 s on the H100"),
     "cli_train": Estimate(35, 35, "35 s on the H100"),
@@ -262,11 +257,13 @@ def row_name(row: step_time.Row) -> str:
 
 
 CAPTURED = ("cuda_graph", True)
+# Named, not left out: unset, Cayley-Adam captures its step on CUDA.
+EAGER = ("cuda_graph", False)
 
 
 def eager(row: step_time.Row) -> step_time.Row:
-    """``row`` with fora's step eager: without :data:`CAPTURED`."""
-    return dataclasses.replace(row, options=tuple(o for o in row.options if o != CAPTURED))
+    """``row`` with fora's step eager: :data:`EAGER` in place of :data:`CAPTURED`."""
+    return dataclasses.replace(row, options=tuple(EAGER if o == CAPTURED else o for o in row.options))
 
 
 @contextlib.contextmanager
@@ -515,8 +512,10 @@ def paper_table(rows: list[dict[str, Any]], goals: dict[str, Any]) -> str:
 
 def fora_options(ctx: Run) -> dict[str, tuple]:
     """mode -> the FoRAConfig options of its rows: on a GPU, fora's Cayley-Adam step captured as a CUDA graph (the
-    fast path this bench measures; the default is eager until it has), unless the capture check failed."""
-    return {"fora": (CAPTURED,)} if capture_ok(ctx) else {}
+    default there, named so that a row says it), or eager if the capture check failed; on the CPU, the default."""
+    if ctx.device.type != "cuda":
+        return {}
+    return {"fora": (CAPTURED,) if capture_ok(ctx) else (EAGER,)}
 
 
 # The capture check's goal: the captured run equals the eager one (parameters and fp32 state) after 20 steps.
@@ -719,7 +718,7 @@ def find_fast_row(
     """The row of ``mode`` with combination ``label``: with the options ``fora_opts`` gives its mode, or eager (a
     row measured after the capture was turned off mid-run)."""
     options, sft_options = FAST_PATH[label]
-    for extra in dict.fromkeys((fora_opts.get(mode, ()), ())):
+    for extra in dict.fromkeys((fora_opts.get(mode, ()), (EAGER,), ())):
         found = step_time.find_row(
             rows, mode, "top half", ckpt, data=data, options=options + extra, sft_options=sft_options, label=label
         )
@@ -779,7 +778,7 @@ def plan_configs(ctx: Run) -> dict[str, dict[str, Any]]:
         on = "on" if ckpt else "off"
         # Without fora_layers the plan scores and places the K layers every (L/K)-th from 0: "every 2nd".
         for name, keys in ((f"ckpt {on}, scoring + every 2nd", {}), (f"ckpt {on}, top half", {"fora_layers": top})):
-            configs[name] = {**base, "activation_checkpointing": ckpt, **keys}
+            configs[name] = {**base, "activation_checkpointing": ckpt, **keys, "fora_cuda_graph": False}
             if captured:
                 configs[f"{name}, captured"] = {**configs[name], "fora_cuda_graph": True}
     if ctx.gpu_measured:
@@ -1117,8 +1116,8 @@ def section_host_syncs(ctx: Run) -> dict[str, Any]:
     options = dict(fora_options(ctx).get("fora", ()))
     cases = {"as the rows run it": options}
     if ctx.device.type == "cuda":
-        eager_case = {"eager": {"cuda_graph": False}}
-        cases = {"captured": options, **eager_case} if options else {"eager (the capture is off)": {}}
+        eager_case = {"cuda_graph": False}
+        cases = {"captured": options, "eager": eager_case} if options.get("cuda_graph") else {"eager": eager_case}
     results, failed = {}, {}
     for label, case_options in cases.items():
         try:

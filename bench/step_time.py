@@ -23,7 +23,8 @@ CPU ``perf_counter``, or with ``--clock cpu`` the process's CPU time, which a bu
 split at ``on_pre_optimizer_step`` into forward + backward + clipping and the optimizer phase, and that at
 ``on_optimizer_step`` into the optimizer's own step and the rest (scheduler, ``zero_grad``, callbacks); the host's
 share of the optimizer phase (the thread's CPU time: what issuing its work costs) beside it; the median over the
-timed steps after the warm-up ones. On a GPU, peak memory is
+timed steps after the warm-up ones, each at a padded batch shape the process has run before (:func:`warm_shapes`,
+for the data padded per batch). On a GPU, peak memory is
 ``torch.cuda.max_memory_allocated``/``max_memory_reserved`` over the whole ``train()`` (weights included); on the
 CPU, ``--live-memory`` counts the peak of live tensor bytes with the storage tracker ``fora plan`` simulates
 (:class:`fora_plugin.plan.memory.LiveTensorTracker`; it slows the step, so the times are then not worth reading).
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import gc
 import itertools
@@ -47,7 +49,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -453,6 +455,79 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+# ------------------------------------------------------------------------------------------------- batch shapes
+# The padded batch shapes a kind of pass has run in this process: (device, setting, pass, shape). cuDNN builds its
+# attention's execution plan, and cuBLAS chooses its kernels, once per shape and keep them for the process: a step at
+# a shape no earlier pass ran pays for that, a later step at the same shape does not.
+_WARM_SHAPES: set[tuple[str, str, str, tuple]] = set()
+
+# What TRL's compute_loss changes besides returning the loss: its training metrics and token count.
+_TRL_LOSS_STATE = ("_metrics", "_total_train_tokens")
+
+
+def train_batches(trainer) -> Iterator[dict[str, Any]]:
+    """The trainer's batches in the order ``Trainer.train`` takes them: its dataloader's epochs one after another.
+    A fresh dataloader repeats them: accelerate's seedable sampler shuffles epoch ``e`` from the seed plus ``e``."""
+    loader = trainer.get_train_dataloader()
+    if len(loader) == 0:
+        raise ValueError(f"no batch of the training data survives truncation to {trainer.args.max_length} tokens")
+    # As many epochs as the steps take (rows whose completion the truncation dropped are gone).
+    return itertools.chain.from_iterable(itertools.repeat(loader))
+
+
+def batch_shape(batch: dict[str, Any]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """What sets a batch's kernels apart: each tensor's name and shape."""
+    return tuple(sorted((key, tuple(value.shape)) for key, value in batch.items() if isinstance(value, torch.Tensor)))
+
+
+def forward_backward(trainer, model: torch.nn.Module, batch: dict[str, Any], accumulation: int = 1) -> None:
+    """One micro-batch as a training step runs it: readied as ``training_step`` does, TRL's loss under accelerate's
+    autocast, the backward."""
+    inputs = trainer._prepare_inputs(batch)
+    with trainer.accelerator.autocast():
+        loss = trainer.compute_loss(model, inputs) / accumulation
+    loss.backward()
+
+
+def warm_shapes(
+    trainer, model: torch.nn.Module, device: torch.device, key: tuple[str, str, str], *, batches: int, warmup: int
+) -> int:
+    """One untimed forward + backward of ``model`` on a batch of each padded shape among the first ``batches`` of
+    :func:`train_batches` that no pass of ``key`` (device, setting, pass) has run in this process; returns how many.
+
+    Data padded per batch (the commonsense mix) has a new length at almost every step, and the first step at a length
+    builds cuDNN's attention plans and cuBLAS's kernel choices for it: the warm-up steps, at other lengths, cannot
+    absorb that, so the first such row in a process would pay it in its timed steps and the rows after it would not.
+    With this pass first, every timed step runs at a shape the process has run before. Fixed-length data (one shape)
+    is left to the first ``warmup`` batches, which run it. The random state, the model's gradients and TRL's metrics
+    are left as they were: ``train()`` then runs as it would have.
+    """
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        picked: dict[tuple, dict[str, Any]] = {}
+        for batch in itertools.islice(train_batches(trainer), batches):
+            picked.setdefault(batch_shape(batch), batch)
+        if len(picked) == 1 and warmup > 0:
+            return 0
+        new = [shape for shape in picked if (*key, shape) not in _WARM_SHAPES]
+        if not new:
+            return 0
+        saved = {name: copy.deepcopy(getattr(trainer, name)) for name in _TRL_LOSS_STATE if hasattr(trainer, name)}
+        training = model.training
+        model.train()
+        try:
+            for shape in new:
+                forward_backward(trainer, model, picked[shape])
+                model.zero_grad(set_to_none=True)
+        finally:
+            model.train(training)
+            for name, value in saved.items():
+                setattr(trainer, name, value)
+    _WARM_SHAPES.update((*key, shape) for shape in new)
+    release(device)
+    return len(new)
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One measured run: ``mode`` one of :data:`MODES` or ``"frozen"`` (the base alone, :func:`frozen_base`);
@@ -595,10 +670,18 @@ def _measure_row(
                 sft_options=dict(row.sft_options),
                 **common,
             )
+            shapes = warm_shapes(
+                trainer,
+                trainer.model,
+                device,
+                (str(device), setting.name, "adapters"),
+                batches=(warmup + steps + profile_steps) * row.accumulation,
+                warmup=warmup * row.accumulation,
+            )
             timed = time_steps(
                 trainer, device, warmup=warmup, profile_steps=profile_steps, live=live_memory, clock=clock
             )
-            result.update(timed)
+            result.update(timed, shape_warmup=shapes)
             del trainer
     return result
 
@@ -637,23 +720,24 @@ def frozen_base(
     checkpoint_as_in_training(trainer)
     model.train()
     timer = StepTimer(device, "wall" if device.type == "cuda" else clock)
-    loader = trainer.get_train_dataloader()
-    if len(loader) == 0:
-        raise ValueError(f"no batch of {data} data survives truncation to {setting.seq_len} tokens")
-    # As many epochs as the steps take, as Trainer.train runs (rows whose completion the truncation dropped are gone).
-    batches = itertools.chain.from_iterable(itertools.repeat(loader))
+    batches = train_batches(trainer)
     marks = []
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
     with model.disable_adapter():
+        shapes = warm_shapes(
+            trainer,
+            model,
+            device,
+            (str(device), setting.name, "frozen base"),
+            batches=(warmup + steps) * accumulation,
+            warmup=warmup * accumulation,
+        )
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         for _ in range(warmup + steps):
             begin = timer._mark()
             for _ in range(accumulation):
-                inputs = trainer._prepare_inputs(next(batches))
-                with trainer.accelerator.autocast():
-                    loss = trainer.compute_loss(model, inputs) / accumulation
-                loss.backward()
+                forward_backward(trainer, model, next(batches), accumulation)
             marks.append((begin, timer._mark()))
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -671,6 +755,7 @@ def frozen_base(
         "max_memory_allocated": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         "max_memory_reserved": torch.cuda.max_memory_reserved() if device.type == "cuda" else None,
         "live_peak_bytes": None,
+        "shape_warmup": shapes,
     }
     del trainer, model
     return result

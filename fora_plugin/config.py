@@ -123,9 +123,10 @@ class FoRAConfig:
     cuda_graph: bool | None = field(
         default=None,
         metadata={
-            "help": "true: capture Cayley-Adam's step in a CUDA graph after two eager steps and replay it (one "
-            "launch instead of one per kernel; lora_B on one CUDA GPU, not under FSDP2). Unset or false: eager, the "
-            "default until a GPU run has measured the captured step against the eager one."
+            "help": "Capture Cayley-Adam's step in a CUDA graph after two eager steps and replay it (one launch "
+            "instead of one per kernel). Unset: captured where lora_B can be (one CUDA GPU, a single process or DDP; "
+            "eager on the CPU, under FSDP2 and, until measured there, under DeepSpeed). true: captured, refused where "
+            "it cannot be. false: eager."
         },
     )
     init_a: str = field(
@@ -191,7 +192,7 @@ class FoRAConfig:
             error=FoRAInputError,
         )
         if not (self.cuda_graph is None or isinstance(self.cuda_graph, bool)):  # 0 would pass `in (None, True, False)`
-            refuse("cuda_graph", self.cuda_graph, "use true or false, or leave it unset (eager)")
+            refuse("cuda_graph", self.cuda_graph, "use true or false, or leave it unset (captured where it can be)")
         if self.seed is not None:
             check_int("seed", self.seed, 0, "or None for the training seed")
         if self.layers is not None:

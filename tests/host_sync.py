@@ -2,11 +2,13 @@
 
 A host sync is a point where the CPU waits for the device: reading a tensor's value into Python (``.item()``,
 ``float(t)``, ``if t:``, ``.tolist()``), an op whose output size depends on the data (``nonzero``, boolean-mask
-indexing, ``masked_select``), or an error check that reads a device flag (``torch.linalg.solve``'s
-``_linalg_check_errors``). On a GPU each one stalls the launch queue; in an optimizer step that runs once per
-training step, a handful of them cost more than the step's own kernels. On the CPU they cost nothing, so they go
-unnoticed unless counted: :class:`HostSyncCounter` counts them with a dispatch mode (the aten ops) and a torch
-function mode (the Python-level reads that do not go through an aten op), so a CPU test can hold a GPU budget.
+indexing, ``masked_select``), an error check that reads a device flag (``torch.linalg.solve``'s
+``_linalg_check_errors``), or host data copied to the device (``torch.tensor(values, device=...)``: a copy from
+pageable host memory, which CUDA makes synchronous). On a GPU each one stalls the launch queue; in an optimizer step
+that runs once per training step, a handful of them cost more than the step's own kernels. On the CPU they cost
+nothing, so they go unnoticed unless counted: :class:`HostSyncCounter` counts them with a dispatch mode (the aten
+ops) and a torch function mode (the Python-level reads that do not go through an aten op), so a CPU test can hold a
+GPU budget.
 
     with HostSyncCounter() as syncs:
         optimizer.step()
@@ -43,6 +45,9 @@ SYNCING_OPS = {
 _MASK_INDEXED_OPS = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default}
 # Tensor methods that copy device data to the host without going through an aten op above.
 _HOST_READS = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy", torch.Tensor.cpu: "cpu"}
+# Factories that copy Python data to the device named by their ``device`` argument (a device-side fill, such as
+# ``torch.full``, makes no copy). On the CPU the device is the CPU, so a named device is what tells the intent.
+_HOST_DATA_TO_DEVICE = {torch.tensor: "host data to device", torch.as_tensor: "host data to device"}
 
 
 @dataclass
@@ -87,6 +92,10 @@ class _FunctionCounter(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = _HOST_READS.get(func)
+        if func in _HOST_DATA_TO_DEVICE:
+            data = args[0] if args else kwargs.get("data")
+            if not isinstance(data, torch.Tensor) and kwargs.get("device") is not None:
+                kind = _HOST_DATA_TO_DEVICE[func]
         if kind is None and func is torch.Tensor.to:
             target = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, (str, torch.device))]
             if any(torch.device(t).type == "cpu" for t in target) and args[0].device.type != "cpu":

@@ -294,11 +294,11 @@ def test_a_section_starts_only_with_its_estimate_left_and_saves_what_it_measured
         seen.update(json.loads((tmp_path / "gpu.json").read_text())["sections"])
         return {"text": "done"}
 
-    ctx.run("engines", lambda ctx: {"text": "ran"})  # 170 s estimate
+    ctx.run("engines", lambda ctx: {"text": "ran"})  # 230 s estimate
     ctx.run("scoring", scoring)  # 10 s
     sections = ctx.results
     assert sections["engines"]["status"] == "skipped"
-    assert "below the 170 s it needs to start" in sections["engines"]["reason"]
+    assert "below the 230 s it needs to start" in sections["engines"]["reason"]
     assert "--only engines" in sections["engines"]["reason"]
     assert sections["scoring"]["status"] == "ok" and seen["scoring"] == {"status": "running", "runs": [1]}
     ctx.close()
@@ -328,9 +328,10 @@ def test_a_failed_captured_row_turns_the_capture_off_and_is_measured_eager(tmp_p
     state = gpu.begin_rows(ctx, "step_time")
     fora = gpu.step_time.Row("fora", "top half", False, options=(gpu.CAPTURED,))
     result = gpu.measure_row(ctx, state, fora)
-    assert [c.options for c in calls] == [(gpu.CAPTURED,), ()]
-    assert result["options"] == () and len(state["failed"]) == 1 and state["rows"] == [result]
-    assert ctx.capture["ok"] is False and gpu.fora_options(ctx) == {}
+    # Eager named, not left out: unset, Cayley-Adam captures on CUDA.
+    assert [c.options for c in calls] == [(gpu.CAPTURED,), (gpu.EAGER,)]
+    assert result["options"] == (gpu.EAGER,) and len(state["failed"]) == 1 and state["rows"] == [result]
+    assert ctx.capture["ok"] is False and gpu.fora_options(ctx) == {"fora": (gpu.EAGER,)}
     assert "EAGER" in gpu.fora_step_line(ctx)
     again = gpu.measure_row(ctx, state, dataclasses.replace(fora, label="again"))  # captured asked: eager, reused
     assert len(calls) == 2 and again["reused"] and again["label"] == "again"
@@ -346,7 +347,7 @@ def test_a_failed_captured_row_turns_the_capture_off_and_is_measured_eager(tmp_p
     (tmp_path / "second").mkdir()
     second.reuse(tmp_path / "gpu.json")
     state = gpu.begin_rows(second, "fast_path")
-    assert gpu.measure_row(second, state, dataclasses.replace(fora, options=(), label="x"))["reused"]
+    assert gpu.measure_row(second, state, dataclasses.replace(fora, options=(gpu.EAGER,), label="x"))["reused"]
     assert len(calls) == 2 and second.capture["ok"] is False
     # step_rows' tables compare with the first call's step_time rows (as its JSON holds them).
     assert second.rows == json.loads(json.dumps(ctx.results["step_time"]["rows"]))
@@ -381,7 +382,7 @@ def test_a_captured_row_that_fails_eager_too_leaves_the_capture_on(tmp_path, mon
     state = gpu.begin_rows(ctx, "fast_path")
     fora = gpu.step_time.Row("fora", "top half", False, options=(gpu.CAPTURED,))
     assert gpu.measure_row(ctx, state, fora) is None
-    assert calls == [(gpu.CAPTURED,), ()] and len(state["failed"]) == 2
+    assert calls == [(gpu.CAPTURED,), (gpu.EAGER,)] and len(state["failed"]) == 2
     assert ctx.capture["ok"] is True and gpu.fora_options(ctx)
     ctx.close()
 
@@ -403,7 +404,7 @@ def test_the_capture_check_turns_fora_eager_when_it_misses_or_raises(tmp_path, m
     monkeypatch.setattr(optimizer_bench, "capture_checks", lambda: results(1e-7))
     assert "passed" in gpu.check_capture(ctx) and gpu.fora_options(ctx) == {"fora": (gpu.CAPTURED,)}
     monkeypatch.setattr(optimizer_bench, "capture_checks", lambda: results(float("nan")))
-    assert "FAILED" in gpu.check_capture(ctx) and gpu.fora_options(ctx) == {}
+    assert "FAILED" in gpu.check_capture(ctx) and gpu.fora_options(ctx) == {"fora": (gpu.EAGER,)}
     assert "kinds ['bf16']" in ctx.capture["reason"]
 
     def raises():

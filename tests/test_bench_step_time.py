@@ -144,3 +144,78 @@ def test_a_failed_rows_trainer_is_gone_when_the_next_row_starts(step_time, monke
     step_time.measure_rows(step_time.SETTINGS["tiny"], torch.device("cpu"), rows, warmup=1, steps=1, errors=[])
     # The failed row's trainer was collected at its release, and the next row's at its own.
     assert at_release == [[False], [False, False]], at_release
+
+
+def test_timed_steps_see_only_batch_shapes_the_process_ran_before_them(step_time, monkeypatch):
+    """Data padded per batch has a new length at almost every step: before the first row at those lengths, one pass
+    at each; a later row at the same batches runs none, and neither does a row on fixed-length data. Each row's
+    forwards are recorded as they reach the decoder (the shapes, and the tokens TRL counts)."""
+    import dataclasses
+
+    import torch
+
+    warmup, steps = 1, 4
+    # 16 x 128: the commonsense batches keep lengths of their own (the tiny setting's 32 cuts every one to 32), and
+    # truncation drops a few rows, so that the 5 steps run into a second epoch.
+    setting = dataclasses.replace(step_time.SETTINGS["tiny"], name="tiny, 16 x 128", batch_size=16, seq_len=128)
+    rows = [
+        step_time.Row("lora", "all", False, data="commonsense"),
+        step_time.Row("fora", "top half", True, data="commonsense"),
+        step_time.Row("frozen", "all", True, accumulation=2, data="commonsense"),
+        step_time.Row("fg-lora", "top half", False),
+    ]
+    calls: list[list[tuple[tuple[int, ...], int]]] = []
+    build = step_time.build_model
+
+    def recording_model(*args, **kwargs):
+        model = build(*args, **kwargs)
+        calls.append([])
+
+        def record(module, args, kwargs):
+            calls[-1].append((tuple(kwargs["input_ids"].shape), int(kwargs["attention_mask"].sum())))
+
+        model.model.register_forward_pre_hook(record, with_kwargs=True)
+        return model
+
+    warm = step_time.warm_shapes
+
+    def checked_warm_shapes(trainer, model, *args, **kwargs):
+        rng = torch.random.get_rng_state()
+        count = warm(trainer, model, *args, **kwargs)
+        # train() then runs as it would have: the same random state, no gradient left.
+        assert torch.equal(torch.random.get_rng_state(), rng)
+        assert all(p.grad is None for p in model.parameters())
+        return count
+
+    monkeypatch.setattr(step_time, "build_model", recording_model)
+    monkeypatch.setattr(step_time, "warm_shapes", checked_warm_shapes)
+    monkeypatch.setattr(step_time, "_WARM_SHAPES", set())  # as in a fresh process
+    results = step_time.measure_rows(setting, torch.device("cpu"), rows, warmup=warmup, steps=steps)
+
+    ran_before: set[tuple[int, ...]] = set()
+    split = []
+    for row, seen in zip(rows, calls):
+        first_timed = len(seen) - steps * row.accumulation
+        ran_before |= {shape for shape, _ in seen[:first_timed]}
+        timed = {shape for shape, _ in seen[first_timed:]}
+        assert timed <= ran_before, (row, sorted(timed - ran_before))
+        ran_before |= timed
+        step_calls = (warmup + steps) * row.accumulation
+        split.append((seen[: len(seen) - step_calls], seen[len(seen) - step_calls :]))
+
+    (lora_pass, lora_steps), (fora_pass, fora_steps), (frozen_pass, frozen_steps), (random_pass, random_steps) = split
+    # The first row: one pass at each length its steps see, each once.
+    lengths = {shape for shape, _ in lora_steps}
+    assert len(lengths) > 2 and len(lora_pass) == len(lengths) == results[0]["shape_warmup"]
+    assert {shape for shape, _ in lora_pass} == lengths
+    # TRL's token count is the steps' alone: the pass's metrics were put back.
+    assert results[0]["log"]["num_tokens"] == sum(tokens for _, tokens in lora_steps)
+    # The same batches again: no pass.
+    assert fora_steps == lora_steps and fora_pass == [] and results[1]["shape_warmup"] == 0
+    # The frozen base (no adapter: a pass of its own kind), two batches a step.
+    frozen_lengths = {shape for shape, _ in frozen_steps}
+    assert len(frozen_pass) == len(frozen_lengths) == results[2]["shape_warmup"]
+    assert {shape for shape, _ in frozen_pass} == frozen_lengths
+    # Fixed-length data: the warm-up step runs its one shape.
+    assert {shape for shape, _ in random_steps} == {(16, 128)} and random_pass == []
+    assert results[3]["shape_warmup"] == 0

@@ -18,6 +18,8 @@ from host_sync import HostSyncCounter
         (lambda t: torch.linalg.solve(torch.eye(4) + t[:4, None], torch.ones(4, 1)), "linalg error check"),
         (lambda t: torch.linalg.cholesky(torch.eye(4)), "linalg error check"),
         (lambda t: torch.equal(t, t), "equal"),
+        (lambda t: torch.tensor([1.0, 0.0], device=t.device), "host data to device"),
+        (lambda t: torch.as_tensor(0.5, dtype=t.dtype, device=t.device), "host data to device"),
     ],
 )
 def test_each_kind_of_host_read_counts_once(read, kind):
@@ -39,6 +41,9 @@ def test_device_side_work_counts_none():
         torch.where(ok[:, None, None], x, 0.0)
         a.masked_fill_(~ok[:, None, None], 0.0)
         a[:, 0] = 1.0  # integer indexing needs no count
+        torch.full((), 0.5, device=a.device)  # a fill on the device, no copy from the host
+        torch.as_tensor(a, dtype=torch.float64, device=a.device)  # device data: a cast, not a copy from the host
+        torch.tensor([1.0, 2.0])  # a host tensor made on the host
     assert syncs.count == 0, syncs.report()
 
 

@@ -1076,7 +1076,7 @@ def test_a_capture_is_refused_where_no_graph_can_be_made():
     assert torch.equal(params[0], before)
 
 
-def test_eager_by_default_and_captured_only_where_asked_and_possible(monkeypatch):
+def test_captured_by_default_where_possible_eager_elsewhere_and_true_refused_there(monkeypatch):
     from fora_plugin.optim import cayley_adam as module
     from fora_plugin.optim import resolve_cuda_graph
 
@@ -1085,9 +1085,30 @@ def test_eager_by_default_and_captured_only_where_asked_and_possible(monkeypatch
     with pytest.raises(ValueError, match=r"cuda_graph=True is invalid for a group of 1 parameter\(s\) on \['cpu'\]"):
         resolve_cuda_graph(True, cpu)
     monkeypatch.setitem(module.GRAPH_BACKENDS, "meta", lambda run, device: run)
-    assert resolve_cuda_graph(True, meta) is True and resolve_cuda_graph(None, meta) is False  # the default: eager
+    assert resolve_cuda_graph(True, meta) is True and resolve_cuda_graph(None, meta) is True  # the default: captured
+    assert resolve_cuda_graph(False, meta) is False
+    assert resolve_cuda_graph(None, cpu + meta) is False  # unset: eager where it cannot be captured, not refused
     with pytest.raises(ValueError, match=r"on \['cpu', 'meta'\].*on one \['cuda', 'meta'\] device"):
         resolve_cuda_graph(True, cpu + meta)  # a group over two devices: its step cannot be one graph
+
+
+def test_an_unset_cuda_graph_captures_the_step_on_a_graph_backend(captures):
+    """The default (None) takes the captured path where the device has a graph backend (here the CPU's stand-in),
+    with the eager step's result; False stays eager."""
+    from capture_check import differences
+
+    runs = []
+    for cuda_graph in (False, None):
+        params = stiefel_params([(24, 4), (12, 2)], seed=91)
+        opt = CayleyAdam(params, lr=0.05, cuda_graph=cuda_graph)
+        gen = torch.Generator().manual_seed(92)
+        for _ in range(6):
+            set_random_grads(params, gen)
+            opt.step()
+        runs.append({"params": params, "optimizer": opt, "skipped": opt.skipped_steps()})
+        assert len(captures) == (0 if cuda_graph is False else 1)
+    result = differences(*runs)
+    assert result["max_param_diff"] <= 1e-6 and result["max_state_diff"] <= 1e-6, result
 
 
 @pytest.mark.parametrize("value", [0, 1, 1.0, "true"])

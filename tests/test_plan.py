@@ -263,10 +263,18 @@ def test_a_captured_step_is_planned_with_its_static_gradients_and_graph_pool(tmp
     which holds at least the staged step's stacked copies of B and G. Planned before, it raised a traceback (the
     fake parameters are on the CPU, where a capture is refused)."""
     config = write_config(tmp_path, dtype="float32")
-    eager = run_plan(plan_setup(config, []), modes=("fora", "fg-lora"))["phases"]
+    eager_setup = plan_setup(config, ["--fora_cuda_graph", "false"])
+    assert not any(n.startswith("cuda_graph:") for n in eager_setup.notes)
+    eager = run_plan(eager_setup, modes=("fora", "fg-lora"))["phases"]
     setup = plan_setup(config, ["--fora_cuda_graph", "true"])
     assert any(n.startswith("cuda_graph: the captured Cayley-Adam step keeps") for n in setup.notes)
     captured = run_plan(setup, modes=("fora", "fg-lora"))["phases"]
+    # Unset, a plan for one GPU plans the captured step (CayleyAdam's default there); one to check against a CPU run
+    # plans the eager step, as that run takes.
+    default = plan_setup(config, [])
+    assert default.captures_cayley_step and any(n.startswith("cuda_graph: the captured") for n in default.notes)
+    assert run_plan(default, modes=("fora",))["phases"]["fora"]["step"] == captured["fora"]["step"]
+    assert not dataclasses.replace(default, loss_head_device="cpu").captures_cayley_step
     lora_b = (HIDDEN + 2 * KV_HEADS * HIDDEN // HEADS + INTERMEDIATE + HIDDEN) * (LAYERS // 2) * 4 * 4  # d_out, r 4
     added = captured["fora"]["step"].peak["stiefel"] - eager["fora"]["step"].peak["stiefel"]
     assert added >= lora_b + 2 * lora_b  # the static gradients, and a pool of at least B and G stacked
@@ -444,7 +452,8 @@ def test_zero_keeps_the_stiefel_part_whole_on_every_gpu(tmp_path, stage):
     on every rank (zero.py: beside the partition under ZeRO-1/2, gathered under ZeRO-3), so the plan divides the
     one and not the other."""
     config = write_config(tmp_path, dtype="float32")
-    single = run_plan(plan_setup(config, []), modes=("fora", "fg-lora"))["phases"]
+    eager = ["--fora_cuda_graph", "false"]  # as under DeepSpeed, where the step is not captured unless asked
+    single = run_plan(plan_setup(config, eager), modes=("fora", "fg-lora"))["phases"]
     zero = tmp_path / "zero.json"
     zero.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
     result = run_plan(plan_setup(config, ["--deepspeed", str(zero)], gpus=4), modes=("fora", "fg-lora"))
@@ -462,9 +471,9 @@ def test_zero_keeps_the_stiefel_part_whole_on_every_gpu(tmp_path, stage):
         return
     # fg-lora shares fora's forward and backward, not its optimizer: planned beside fora or alone, the same step;
     # and fora's step does not depend on the order of the modes.
-    alone = run_plan(plan_setup(config, []), modes=("fg-lora",))["phases"]["fg-lora"]["step"]
+    alone = run_plan(plan_setup(config, eager), modes=("fg-lora",))["phases"]["fg-lora"]["step"]
     assert single["fg-lora"]["step"] == alone != single["fora"]["step"]
-    reversed_order = run_plan(plan_setup(config, []), modes=("fg-lora", "fora"))["phases"]
+    reversed_order = run_plan(plan_setup(config, eager), modes=("fg-lora", "fora"))["phases"]
     assert reversed_order["fora"]["step"] == single["fora"]["step"]
     assert reversed_order["fg-lora"]["step"] == alone
     assert any("Stiefel lora_B gradients and Cayley-Adam states are whole" in note for note in result["notes"])
@@ -661,6 +670,48 @@ def test_the_plan_runs_trls_fused_head_as_on_cuda():
         assert tracker.flops == 2 * 6 * 7 * 5
         assert acc.dtype == torch.float32 and acc.shape == (6, 5)
     assert (chunked_logprob._addmm_fp32, chunked_logprob._forward_tile, chunked_logprob._backward_tile) == own
+
+
+@pytest.mark.skipif(add_fused_lm_head is None, reason="this TRL's SFTTrainer has no fused LM head")
+def test_the_plans_fp32_product_of_half_factors_dispatches_no_out_dtype_op_and_allocates_nothing():
+    """torch 2.11's fake mode runs addmm's decomposition for its out_dtype overloads, which takes out_dtype for beta
+    (TypeError): the plan's fp32 product of bf16/fp16 factors dispatches none of them, returns no storage but those
+    of its arguments, and refuses factors whose shapes the GPU's op would refuse, naming them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from trl.kernels import chunked_logprob
+
+    if not hasattr(chunked_logprob, "_addmm_fp32"):
+        pytest.skip("this TRL's fused LM head has no _addmm_fp32")
+
+    class OpLog(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.storages = [], set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.ops.append(func)
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.storages.add(StorageWeakRef(t.untyped_storage()))
+            return out
+
+    with plan_module.fused_lm_head_as_on_cuda(), FakeTensorMode():
+        for dtype in (torch.bfloat16, torch.float16):
+            acc = torch.zeros(6, 5)
+            a, b = torch.zeros(6, 7, dtype=dtype), torch.zeros(7, 5, dtype=dtype)
+            with OpLog() as log:
+                chunked_logprob._addmm_fp32(acc, a, b)
+            assert log.ops  # the product is dispatched (its FLOPs are counted)
+            assert not [op for op in log.ops if any(arg.name == "out_dtype" for arg in op._schema.arguments)]
+            assert log.storages <= {StorageWeakRef(t.untyped_storage()) for t in (acc, a, b)}
+            assert acc.dtype == torch.float32 and acc.shape == (6, 5)
+            with pytest.raises(RuntimeError, match=r"acc \(6, 5\) torch.float32 .* a \(6, 7\) .* b \(8, 5\)"):
+                chunked_logprob._addmm_fp32(acc, a, torch.zeros(8, 5, dtype=dtype))
+            with pytest.raises(RuntimeError, match=r"acc \(5, 6\) .* a \(6, 7\) .* b \(7, 5\)"):
+                chunked_logprob._addmm_fp32(torch.zeros(5, 6), a, b)
 
 
 def test_a_loss_head_device_other_than_cuda_or_cpu_is_refused_by_name(tmp_path):

@@ -390,6 +390,23 @@ def test_zero_optimizer_keeps_stiefel_groups_out_of_param_groups():
     assert in_groups | stiefel == {id(p) for p in model.parameters() if p.requires_grad}
 
 
+def test_deepspeed_clients_step_eagerly_unless_the_capture_is_asked_for(monkeypatch):
+    """Unset, cuda_graph captures where a group can be; under DeepSpeed it stays eager (not measured there), and True
+    still reaches Cayley-Adam (here on a stand-in graph backend for the CPU)."""
+    from fora_plugin.optim import cayley_adam
+    from fora_plugin.zero.stage3 import build_zero3_fora_optimizer
+
+    monkeypatch.setitem(cayley_adam.GRAPH_BACKENDS, "cpu", lambda run, device: run)
+    for build in (build_zero_fora_optimizer, build_zero3_fora_optimizer):
+        for asked, captured in ((None, False), (False, False), (True, True)):
+            optimizer = build(small_model(), lr=1e-3, lr_stiefel=1e-2, cuda_graph=asked)
+            groups = optimizer.stiefel.param_groups
+            assert [cayley_adam.resolve_cuda_graph(g["cuda_graph"], g["params"]) for g in groups] == [captured], (
+                build.__name__,
+                asked,
+            )
+
+
 def test_zero_optimizer_refuses_a_stiefel_group_and_bad_settings():
     model = small_model()
     b = [p for n, p in model.named_parameters() if "lora_B" in n]
@@ -686,8 +703,10 @@ def test_zero3_optimizer_keeps_every_cayley_setting_of_the_single_process_one(ra
     zero3 = build_zero3_fora_optimizer(model, max_grad_norm=1.0, **settings).stiefel.param_groups
     single = [g for g in build_fora_optimizer(model, **settings).param_groups if g["stiefel"]]
     assert [g["num_experts"] for g in zero3] == [1, 4]
-    keys = set(inspect.signature(CayleyAdam).parameters) - {"params"}
+    # cuda_graph apart: unset, the single-process step captures where it can, DeepSpeed's clients step eagerly.
+    keys = set(inspect.signature(CayleyAdam).parameters) - {"params", "cuda_graph"}
     assert [{k: g[k] for k in keys} for g in zero3] == [{k: g[k] for k in keys} for g in single]
+    assert [g["cuda_graph"] for g in zero3] == [False, False] and [g["cuda_graph"] for g in single] == [None, None]
 
 
 def test_zero3_optimizer_refusals_name_the_fix():

@@ -164,7 +164,12 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
     if group["implementation"] not in (None, *IMPLEMENTATIONS):
         _refuse("implementation", group["implementation"], f"use one of {IMPLEMENTATIONS}, or None (by device)")
     if not (group["cuda_graph"] is None or isinstance(group["cuda_graph"], bool)):  # 0 would pass `in (None, ...)`
-        _refuse("cuda_graph", group["cuda_graph"], "use True (captured on CUDA), False or None (eager)", TypeError)
+        _refuse(
+            "cuda_graph",
+            group["cuda_graph"],
+            "use True (captured), False (eager) or None (captured where it can be)",
+            TypeError,
+        )
 
 
 def _check_stiefel_parameter(p: torch.Tensor, index: int, num_experts: int = 1) -> None:
@@ -234,11 +239,12 @@ class CayleyAdam(Optimizer):
         num_experts: expert blocks per parameter (a group key; 1 for ordinary LoRA).
         implementation: how the step reaches the matrices, one of :data:`IMPLEMENTATIONS`; None (the default)
             picks by device (:func:`resolve_implementation`). The paths agree to rounding.
-        cuda_graph: True: capture each group's step in a CUDA graph after :data:`GRAPH_WARMUP_STEPS` eager steps and
-            replay it at every later step, one launch from the host instead of one per kernel (the parameters of a
-            group on one CUDA device, not row-sharded: :func:`resolve_cuda_graph`). None (the default) and False:
-            eager, until a GPU run has measured the captured step against the eager one. A cast, move or load of a
-            parameter or its state is followed by an eager step, then a new capture.
+        cuda_graph: whether each group's step is captured in a CUDA graph after :data:`GRAPH_WARMUP_STEPS` eager
+            steps and replayed at every later step: one launch from the host instead of one per kernel. None (the
+            default): captured where the group can be (its parameters on one CUDA device, none row-sharded:
+            :func:`resolve_cuda_graph`), eager elsewhere (the CPU, FSDP2). True: captured, and refused where it
+            cannot be. False: eager (for debugging). A cast, move or load of a parameter or its state is followed by
+            an eager step, then a new capture.
     """
 
     def __init__(
@@ -542,22 +548,25 @@ MAX_CAPTURES = 8
 
 
 def resolve_cuda_graph(cuda_graph: bool | None, params: list[torch.Tensor]) -> bool:
-    """Whether a group's step is captured: only where ``cuda_graph`` is True (None, the default, and False: eager).
-    The step captures on a device with a graph backend (:data:`GRAPH_BACKENDS`: CUDA), all of the group's parameters
-    on that one device and none row-sharded (FSDP2's DTensor step all-reduces, which a graph would have to replay in
-    lockstep with every rank); anything else is refused, not stepped eagerly behind the user's back."""
-    if cuda_graph is not True:
+    """Whether a group's step is captured. A group can be captured where all of its parameters are on one device with
+    a graph backend (:data:`GRAPH_BACKENDS`: CUDA) and none is row-sharded (FSDP2's DTensor step all-reduces, which a
+    graph would have to replay in lockstep with every rank). None (the default) captures where the group can be, the
+    faster path measured on an H100 (docs/gpu.md) with the same result; True captures and refuses a group that cannot
+    be, not stepping it eagerly behind the user's back; False never captures."""
+    if cuda_graph is False:
         return False
     devices = {p.device for p in params}
     device = next(iter(devices))
-    if len(devices) > 1 or device.type not in GRAPH_BACKENDS or any(is_dtensor(p) for p in params):
-        raise ValueError(
-            f"cuda_graph=True is invalid for a group of {len(params)} parameter(s) on {sorted(map(str, devices))}"
-            f"{' (row-sharded DTensors)' if any(is_dtensor(p) for p in params) else ''}: a step is captured where "
-            f"every parameter of the group is on one {sorted(GRAPH_BACKENDS)} device and none is sharded. Set "
-            "cuda_graph to False (or leave it unset) there."
-        )
-    return True
+    sharded = any(is_dtensor(p) for p in params)
+    capturable = len(devices) == 1 and device.type in GRAPH_BACKENDS and not sharded
+    if cuda_graph is None or capturable:
+        return capturable
+    raise ValueError(
+        f"cuda_graph=True is invalid for a group of {len(params)} parameter(s) on {sorted(map(str, devices))}"
+        f"{' (row-sharded DTensors)' if sharded else ''}: a step is captured where every parameter of the group is "
+        f"on one {sorted(GRAPH_BACKENDS)} device and none is sharded. Set cuda_graph to False (or leave it unset) "
+        "there."
+    )
 
 
 class _CapturedStep:

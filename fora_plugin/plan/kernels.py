@@ -40,8 +40,10 @@ def fused_lm_head_as_on_cuda():
     ``addmm(out_dtype=float32)``. Without Triton and CUDA (this host) it folds with torch ops that make several fp32
     copies of the tile, and casts both factors of each product to fp32: 3.5 and 0.9 GiB at 4,080 tokens, a 32,768-word
     chunk and a 3,072 hidden size, absent on the GPU (its allocator's trace at the peak, docs/gpu.md). So the plan runs
-    the GPU's case: a fold that allocates nothing (fake tensors hold no values to fold) and the fp32-output product;
-    the tile, the statistics and the accumulators are TRL's own tensors and counted.
+    the GPU's case: a fold that allocates nothing (fake tensors hold no values to fold) and an fp32 product that
+    allocates nothing and counts its FLOPs; the tile, the statistics and the accumulators are TRL's own tensors and
+    counted. The product dispatches no ``out_dtype`` overload: torch 2.11's fake mode runs addmm's decomposition for
+    them, which takes ``out_dtype`` for ``beta`` (TypeError). A plan needs the product's allocation, not its value.
     """
     try:
         from trl.kernels import chunked_logprob
@@ -53,10 +55,17 @@ def fused_lm_head_as_on_cuda():
         return None
 
     def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-        if a.dtype in (torch.float16, torch.bfloat16):
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-        else:
+        if a.dtype not in (torch.float16, torch.bfloat16):
             acc.addmm_(a, b)
+            return
+        agree = a.dim() == b.dim() == 2 and acc.shape == (a.shape[0], b.shape[1]) and a.shape[1] == b.shape[0]
+        if not agree or acc.dtype != torch.float32 or b.dtype != a.dtype:
+            raise RuntimeError(
+                f"fp32 product: acc {tuple(acc.shape)} {acc.dtype} += a {tuple(a.shape)} {a.dtype} @ b "
+                f"{tuple(b.shape)} {b.dtype} do not agree (acc (m, n) float32, a (m, k), b (k, n) in a's dtype)"
+            )
+        if acc.numel():  # the same in-place product in fp32, on zero-stride views of acc for the factors: its FLOPs
+            acc.addmm_(acc.as_strided(a.shape, (0, 0)), acc.as_strided(b.shape, (0, 0)))
 
     stand_ins = {"_forward_tile": fold_in_place, "_backward_tile": fold_in_place, "_addmm_fp32": addmm_fp32}
     with contextlib.ExitStack() as stack:

@@ -162,7 +162,7 @@ def _captured_step_bytes(
     gradient buffers the size of the Stiefel lora_B gradients (the Trainer frees the gradients at each zero_grad, the
     graph reads fixed addresses) and the graph's private pool, which keeps the step's own buffers (its transient peak
     above what was alive before it and what it leaves). Empty for an eager step."""
-    if not (setup.fora.cuda_graph and stiefel):
+    if not (setup.captures_cayley_step and stiefel):
         return {}
     grads = tracker.uids(p.grad for p in model.parameters() if id(p) in stiefel and p.grad is not None)
     static = sum(nbytes for uid, nbytes in tracker.live().items() if uid in grads)
@@ -253,7 +253,7 @@ def _step_phases(
                 else:
                     # The fake step runs eager (a capture needs real CUDA tensors); what a capture keeps is added
                     # below (_captured_step_bytes).
-                    fora = dataclasses.replace(setup.fora, mode=mode, cuda_graph=None)
+                    fora = dataclasses.replace(setup.fora, mode=mode, cuda_graph=False)
                     if setup.lora_dtype is not None:
                         # FoRA's optimizer for low-precision adapters: MasterAdamW's fp32 masters stand for
                         # DeepSpeed's fp32 partitions (the same bytes); Cayley-Adam keeps its own for lora_B.

@@ -5,7 +5,7 @@ Axolotl YAML through its `fora train` keys, checks the engine (DeepSpeed ZeRO, F
 and gathers the shapes, precision, LoRA and FoRA settings into a :class:`PlanSetup`; :func:`planned_placement` says
 which K layers fora and fg-lora are planned on.
 
-May import: config, errors, fsdp, models, plan.engine_rules, recipe, selection, targets, zero.
+May import: config, errors, fsdp, models, optim, plan.engine_rules, recipe, selection, targets, zero.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .. import config as fora_config
 from ..errors import FoRAInputError
 from ..fsdp import check_fsdp, check_one_engine
 from ..models import load_model_config
+from ..optim.cayley_adam import GRAPH_BACKENDS
 from ..recipe import load_yaml_config, parse_config
 from ..selection import check_layer_indices, load_scores, resolve_layer_budget, select_layers
 from ..targets import check_target_modules, check_target_parameters
@@ -167,6 +168,15 @@ class PlanSetup:
     # The dtype the engine casts the LoRA parameters to, the optimizers keeping their fp32 masters (DeepSpeed's bf16 /
     # fp16 mode: engine_param_dtype); None: the dtype PEFT and FoRA give them.
     lora_dtype: torch.dtype | None = None
+
+    @property
+    def captures_cayley_step(self) -> bool:
+        """Whether the planned run captures Cayley-Adam's step: as ``cuda_graph`` is set, else as its default decides
+        on the device planned for (captured in one process or under DDP on CUDA; eager under DeepSpeed and FSDP2,
+        whose clients and row-sharded step leave it unset to eager)."""
+        if self.fora.cuda_graph is not None or self.engine not in ("single", "ddp"):
+            return bool(self.fora.cuda_graph)
+        return self.loss_head_device in GRAPH_BACKENDS
 
     def __post_init__(self) -> None:
         if self.loss_head_device not in LOSS_HEAD_DEVICES:
@@ -419,12 +429,7 @@ def plan_setup(
             "torch_compile: not modelled: the plan runs the eager step (compiled kernels fuse elementwise ops and may "
             "hold fewer intermediate tensors; not measured here)"
         )
-    if fora.cuda_graph:
-        notes.append(
-            "cuda_graph: the captured Cayley-Adam step keeps static lora_B gradient buffers and its graph's pool (the "
-            "step's own buffers) from the capture on; both are counted in the Stiefel part"
-        )
-    return PlanSetup(
+    setup = PlanSetup(
         config=config,
         model_ref=model_args.model_name_or_path,
         model_config_path=path,
@@ -445,6 +450,12 @@ def plan_setup(
         reduce_buffers=reduce_buffers,
         lora_dtype=engine_dtype,
     )
+    if setup.captures_cayley_step and fora.uses_stiefel:
+        notes.append(
+            "cuda_graph: the captured Cayley-Adam step keeps static lora_B gradient buffers and its graph's pool (the "
+            "step's own buffers) from the capture on; both are counted in the Stiefel part"
+        )
+    return setup
 
 
 def planned_layers(setup: PlanSetup, num_layers: int) -> list[int]:

@@ -22,7 +22,14 @@ from ..validation import check_float
 from .deepspeed_internals import missing_optimizer_attributes
 
 
-__all__ = ["ZeroClientOptimizer", "find_zero_client"]
+__all__ = ["ZeroClientOptimizer", "eager_unless_asked", "find_zero_client"]
+
+
+def eager_unless_asked(stiefel_defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """Cayley-Adam's keyword arguments under DeepSpeed: an unset ``cuda_graph`` steps eagerly there (True still
+    captures). The captured step is the default where it was measured (one process, docs/gpu.md); under DeepSpeed's
+    engines, whose rows on the H100 ran eagerly, it has not been measured yet."""
+    return {**stiefel_defaults, "cuda_graph": bool(stiefel_defaults.get("cuda_graph"))}
 
 
 class ZeroClientOptimizer(AdamW):

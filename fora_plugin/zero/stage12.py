@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..errors import FoRAInputError
 from ..optim import CayleyAdam, fora_optimizer_parts, stiefel_step_with_gradients
 from ..validation import check_int
-from .client import ZeroClientOptimizer
+from .client import ZeroClientOptimizer, eager_unless_asked
 from .deepspeed_internals import data_parallel_group, turn_off_clipping, zero_grad_norm
 
 
@@ -123,7 +123,12 @@ class ZeroFoRAOptimizer(ZeroClientOptimizer):
         euclid = self._euclidean_grad_norm()
         if euclid is not None:
             device = params[0].device
-            euclid = torch.as_tensor(euclid, dtype=torch.float32, device=device)  # DeepSpeed's: a tensor or a float
+            # DeepSpeed's norm is a tensor or a float; a float is filled in on the device (torch.as_tensor would copy
+            # it from the host, a synchronous copy on CUDA).
+            if isinstance(euclid, torch.Tensor):
+                euclid = euclid.to(device=device, dtype=torch.float32)
+            else:
+                euclid = torch.full((), float(euclid), dtype=torch.float32, device=device)
             # One norm over both parts, as clip_grad_norm_ forms it: the norm of the per-part norms.
             stiefel_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(live))) if live else 0 * euclid
             self._last_grad_norm = total = torch.linalg.vector_norm(torch.stack((euclid, stiefel_norm)))
@@ -215,7 +220,7 @@ def build_zero_fora_optimizer(
         )
     return ZeroFoRAOptimizer(
         euclidean,
-        CayleyAdam(stiefel, **stiefel_defaults),
+        CayleyAdam(stiefel, **eager_unless_asked(stiefel_defaults)),
         max_grad_norm=max_grad_norm,
         sync_period=sync_period,
         process_group=process_group,
@@ -228,10 +233,14 @@ def _averaged_gradients(params: list[torch.Tensor], group: dist.ProcessGroup | N
     a rank without a gradient for a parameter adds zeros; None for a parameter no rank has a gradient for."""
     if not params:
         return []
-    # Every rank sends the same layout: the gradients (zeros where absent), then one has-gradient count each.
+    # Every rank sends the same layout: the gradients (zeros where absent), then one has-gradient count each. The
+    # counts are filled in on the device: a tensor made from a host list is a synchronous copy on CUDA.
+    has_grad = torch.ones(len(params), device=params[0].device)
+    for i, p in enumerate(params):
+        if p.grad is None:
+            has_grad[i] = 0.0
     flat = torch.cat(
-        [(p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1) for p in params]
-        + [torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)]
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1) for p in params] + [has_grad]
     )
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size(group)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..errors import FoRAInputError, FoRAInputTypeError
 from ..optim import CayleyAdam, fora_optimizer_parts, stiefel_step_with_gradients
-from .client import ZeroClientOptimizer
+from .client import ZeroClientOptimizer, eager_unless_asked
 from .deepspeed_internals import (
     clip_norm,
     full_shape,
@@ -84,7 +84,7 @@ class Zero3FoRAOptimizer(ZeroClientOptimizer):
         **adamw_kwargs: Any,
     ) -> None:
         groups = [dict(group) for group in params]
-        stiefel_defaults = dict(stiefel_defaults or {})
+        stiefel_defaults = eager_unless_asked(stiefel_defaults or {})
         stiefel_groups = []
         for group in groups:
             if group.get("stiefel"):
