@@ -11,7 +11,7 @@ May import: nothing of fora_plugin.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -107,25 +107,29 @@ def largest_drift(drifts: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([d.detach().double().max().to(device) for d in drifts]).max()
 
 
-def read_adapter_diagnostics(model: nn.Module, drifts: list[torch.Tensor] | None = None) -> tuple[float, float]:
-    """``(largest drift, mean effective rank of ΔW)`` with one host sync.
+def read_adapter_diagnostics(
+    model: nn.Module, drifts: list[torch.Tensor] | None = None, extra: Sequence[torch.Tensor] = ()
+) -> tuple[float, float, list[float]]:
+    """``(largest drift, mean effective rank of ΔW, the values of extra)`` with one host sync.
 
-    The largest of ``drifts`` (:func:`largest_drift`), and the mean entropy effective rank over the model's LoRA
-    adapters (0.0 if there are none; NaN if one adapter has non-finite weights).
+    The largest of ``drifts`` (:func:`largest_drift`), the mean entropy effective rank over the model's LoRA
+    adapters (0.0 if there are none; NaN if one adapter has non-finite weights), and the value of each one-element
+    device tensor of ``extra`` (what else a log reads: Cayley-Adam's counters, a gradient norm), in float64.
     """
     grams = [adapter_grams(a, b) for _, _, a, b in lora_pairs(model)]  # each (2, r, r)
     drift = largest_drift(drifts or [])
     device = drifts[0].device if drifts else grams[0].device if grams else drift.device
-    flat = torch.cat([drift.to(device).reshape(1), *(g.to(device).reshape(-1) for g in grams)])
+    parts = [drift.reshape(1), *(t.detach().reshape(1) for t in extra), *(g.reshape(-1) for g in grams)]
+    flat = torch.cat([t.to(device=device, dtype=torch.float64) for t in parts])
     values = np.array(flat.tolist())  # the one host sync
     effective_ranks = []
-    offset = 1
+    offset = 1 + len(extra)
     for g in grams:
         host = values[offset : offset + g.numel()].reshape(g.shape)
         effective_ranks.append(_entropy_effective_rank(singular_values_from_grams(host)))
         offset += g.numel()
     mean_rank = sum(effective_ranks) / len(effective_ranks) if effective_ranks else 0.0
-    return float(values[0]), mean_rank
+    return float(values[0]), mean_rank, [float(v) for v in values[1 : 1 + len(extra)]]
 
 
 def mean_effective_rank(model: nn.Module) -> float:

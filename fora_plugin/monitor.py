@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .optim import REPROJECT_THRESHOLD, CayleyAdam, FoRAOptimizer, counter_totals, wrapped_optimizers
+from .optim import COUNTERS, REPROJECT_THRESHOLD, counter_totals, find_stiefel_optimizer
 from .validation import check_float
 
 
@@ -37,11 +37,8 @@ def stiefel_counters(optimizer: Any) -> dict[str, int] | None:
     """FoRA's Cayley-Adam ``skipped_steps`` and ``reprojections`` totals, through the wrappers a trainer puts around
     its optimizer (accelerate's ``AcceleratedOptimizer``, DeepSpeed's ZeRO optimizer and FoRA's ZeRO client); None
     when no Cayley-Adam is found. One host sync for both."""
-    for wrapper in wrapped_optimizers(optimizer):
-        for candidate in (wrapper, getattr(wrapper, "stiefel", None)):
-            if isinstance(candidate, (CayleyAdam, FoRAOptimizer)):
-                return counter_totals(candidate)
-    return None
+    stiefel = find_stiefel_optimizer(optimizer)
+    return None if stiefel is None else counter_totals(stiefel)
 
 
 class DivergenceMonitor(TrainerCallback):
@@ -86,7 +83,13 @@ class DivergenceMonitor(TrainerCallback):
                 f"{self.orthogonality_threshold:g}): lora_B has left the Stiefel manifold (BᵀB != I), so ΔW = BA no "
                 f"longer has A's spectrum. Cayley-Adam's steps are too large or the gradients non-finite; {FIXES}.",
             )
-        counters = stiefel_counters(kwargs.get("optimizer"))
+        # FoRA's trainers log the counters (``fora/skipped_steps``, ``fora/reprojections``), read with the log's other
+        # values; any other trainer's log costs a read of its own.
+        logged = {name: logs.get(f"fora/{name}") for name in COUNTERS}
+        if all(isinstance(value, (int, float)) for value in logged.values()):
+            counters = {name: int(value) for name, value in logged.items()}
+        else:
+            counters = stiefel_counters(kwargs.get("optimizer"))
         if counters and counters["skipped_steps"]:
             self._warn(
                 "skipped_steps",

@@ -2,7 +2,7 @@
 order): choose the layers, move the LoRA adapter onto them, PEFT's input cast, the selection's files and callback, and
 FoRA's log entries.
 
-May import: adapter, checkpoints, config, diagnostics, errors, fisher, fsdp, plots, selection, stiefel, targets,
+May import: adapter, checkpoints, config, diagnostics, errors, fisher, fsdp, optim, plots, selection, stiefel, targets,
 validation, zero.
 """
 
@@ -32,6 +32,7 @@ from .diagnostics import largest_drift, read_adapter_diagnostics
 from .errors import FoRAInputError, refuse
 from .fisher import FisherScores
 from .fsdp import gathered_adapters
+from .optim import counter_sums, find_stiefel_optimizer
 from .plots import plot_fisher_scores
 from .selection import (
     SCORES_FILE,
@@ -436,12 +437,21 @@ class FoRALogs:
         with gathered_trainable_parameters(model), gathered_adapters(model, optimizer):
             # Everything on the device, read back once: a host sync per adapter would stall a GPU's launch queue.
             drifts = _drifts(model, client.stiefel if client is not None else optimizer, points)
-            max_drift, mean_rank = read_adapter_diagnostics(model, drifts)
+            # Read with them: Cayley-Adam's counters (for DivergenceMonitor, which takes them from the log) and,
+            # under DeepSpeed, the norm FoRA clipped by (DeepSpeed's own is lora_A's partitions' alone).
+            stiefel = find_stiefel_optimizer(optimizer) if drifts else None
+            counters = {} if stiefel is None else counter_sums(stiefel)
+            extra = {f"fora/{name}": t for name, t in counters.items() if t is not None}
+            grad_norm = client.last_grad_norm_unread() if client is not None else None
+            if isinstance(grad_norm, torch.Tensor):
+                extra["grad_norm"] = grad_norm
+            max_drift, mean_rank, values = read_adapter_diagnostics(model, drifts, list(extra.values()))
+        read = dict(zip(extra, values))
         logs = {"fora/max_orthogonality_error": max_drift, "fora/mean_effective_rank": mean_rank}
-        grad_norm = client.last_grad_norm if client is not None else None  # a host read: once
+        for name in counters:  # 0 for a counter no matrix has yet (before the first step)
+            logs[f"fora/{name}"] = int(read.get(f"fora/{name}", 0))
         if grad_norm is not None:
-            # DeepSpeed reports the norm of the partitioned lora_A gradients only; FoRA clipped by this one.
-            logs["grad_norm"] = grad_norm
+            logs["grad_norm"] = read.get("grad_norm", grad_norm)
         if not self._selection_logged:
             trainable = sum(self.selection.trainable_parameters.values())
             logs["fora/layers_adapted"] = len(self.selection.chosen)

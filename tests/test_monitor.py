@@ -236,3 +236,30 @@ def test_fora_logs_of_the_optimizer_masters_and_of_no_adapter_read_once():
     with HostSyncCounter() as syncs:
         assert mean_effective_rank(tiny_llama(num_layers=2)) == 0.0
     assert syncs.count <= 1
+
+
+def test_a_fora_log_and_the_monitor_read_the_device_once_together(caplog):
+    """FoRA's log reads Cayley-Adam's counters with its own values and logs them; DivergenceMonitor takes them from
+    the log, so the log and its checks cost one host read (two before: the monitor read the counters again)."""
+    model = stiefel_lora_model()
+    optimizer = build_fora_optimizer(model)
+    params = optimizer.stiefel_groups[0]["params"]
+    gen = torch.Generator().manual_seed(5)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    params[0].grad[0, 0] = float("nan")  # that lora_B's step is skipped
+    optimizer.step()
+    expected = stiefel_counters(optimizer)  # the independent read
+    assert expected["skipped_steps"] == 1
+    with HostSyncCounter() as syncs, caplog.at_level(logging.WARNING, logger="fora_plugin.monitor"):
+        logs = FoRALogs(FoRASelection([0, 1], 2, "model.layers"))(model, optimizer)
+        feed(DivergenceMonitor(), [{"loss": 1.0, **logs}], optimizer=AcceleratedLike(optimizer))
+    assert syncs.count == 1, syncs.report()
+    assert {k: logs[f"fora/{k}"] for k in expected} == expected
+    assert isinstance(logs["fora/skipped_steps"], int)
+    assert any("skipped 1 lora_B step(s)" in w for w in warnings_of(caplog))
+    # Before the first step no matrix has a counter yet: 0, and still one read.
+    fresh = stiefel_lora_model()
+    with HostSyncCounter() as syncs:
+        logs = FoRALogs(FoRASelection([0, 1], 2, "model.layers"))(fresh, build_fora_optimizer(fresh))
+    assert syncs.count == 1 and logs["fora/skipped_steps"] == logs["fora/reprojections"] == 0

@@ -10,11 +10,13 @@ May import: adapter, errors, stiefel.
 """
 
 from .cayley_adam import (
+    COUNTERS,
     GRAPH_WARMUP_STEPS,
     IMPLEMENTATIONS,
     REPROJECT_THRESHOLD,
     CayleyAdam,
     check_cayley_adam_settings,
+    counter_sums,
     counter_totals,
     init_cayley_adam_state,
     resolve_cuda_graph,
@@ -30,6 +32,7 @@ from .fora_optimizer import (
     build_fora_optimizer,
     check_lr_scheduler_type,
     create_fora_optimizer,
+    find_stiefel_optimizer,
     fora_optimizer_parts,
     restore_master_state,
     wrapped_optimizers,
@@ -37,6 +40,7 @@ from .fora_optimizer import (
 
 
 __all__ = [
+    "COUNTERS",
     "GRAPH_WARMUP_STEPS",
     "IMPLEMENTATIONS",
     "MASTER_STATE_KEYS",
@@ -48,8 +52,10 @@ __all__ = [
     "build_fora_optimizer",
     "check_lr_scheduler_type",
     "create_fora_optimizer",
+    "find_stiefel_optimizer",
     "fora_optimizer_parts",
     "check_cayley_adam_settings",
+    "counter_sums",
     "counter_totals",
     "init_cayley_adam_state",
     "is_dtensor",

@@ -43,6 +43,8 @@ __all__ = [
     "bucket_key",
     "cayley_adam",
     "check_cayley_adam_settings",
+    "COUNTERS",
+    "counter_sums",
     "counter_totals",
     "init_cayley_adam_state",
     "resolve_cuda_graph",
@@ -336,16 +338,25 @@ class CayleyAdam(Optimizer):
         return counter_totals(self, ("reprojections",))["reprojections"]
 
 
-def counter_totals(optimizer: Optimizer, keys: Iterable[str] = ("skipped_steps", "reprojections")) -> dict[str, int]:
-    """Each state counter of ``keys`` summed over every Stiefel matrix of ``optimizer``, read back in one host sync
-    (a log reads them all); 0 before the first step."""
-    sums = []
+COUNTERS = ("skipped_steps", "reprojections")
+
+
+def counter_sums(optimizer: Optimizer, keys: Iterable[str] = COUNTERS) -> dict[str, torch.Tensor | None]:
+    """Each state counter of ``keys`` summed over every Stiefel matrix of ``optimizer``, on the device (no host
+    sync: a log reads them with its other values); None for a counter no matrix has yet (before the first step)."""
+    sums = {}
     for key in keys:
         counts = [s[key].sum() for s in optimizer.state.values() if key in s]
-        sums.append(torch.stack(counts).sum() if counts else None)
-    present = [t for t in sums if t is not None]
+        sums[key] = torch.stack(counts).sum() if counts else None
+    return sums
+
+
+def counter_totals(optimizer: Optimizer, keys: Iterable[str] = COUNTERS) -> dict[str, int]:
+    """:func:`counter_sums` read back in one host sync; 0 before the first step."""
+    sums = counter_sums(optimizer, keys)
+    present = [t for t in sums.values() if t is not None]
     values = iter(torch.stack(present).tolist() if present else [])
-    return {key: 0 if t is None else int(next(values)) for key, t in zip(keys, sums)}
+    return {key: 0 if t is None else int(next(values)) for key, t in sums.items()}
 
 
 def restore_compute_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:

@@ -435,3 +435,13 @@ def wrapped_optimizers(optimizer: Any) -> Iterator[Any]:
         seen.add(id(optimizer))
         yield optimizer
         optimizer = getattr(optimizer, "optimizer", None)
+
+
+def find_stiefel_optimizer(optimizer: Any) -> CayleyAdam | FoRAOptimizer | None:
+    """What steps the Stiefel ``lora_B`` inside ``optimizer`` and its wrappers (:func:`wrapped_optimizers`): a
+    :class:`FoRAOptimizer` or :class:`CayleyAdam` (FoRA's ZeRO client keeps it as ``.stiefel``); None without one."""
+    for wrapper in wrapped_optimizers(optimizer):
+        for candidate in (wrapper, getattr(wrapper, "stiefel", None)):
+            if isinstance(candidate, (CayleyAdam, FoRAOptimizer)):
+                return candidate
+    return None

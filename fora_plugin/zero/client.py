@@ -100,10 +100,12 @@ class ZeroClientOptimizer(AdamW):
     @property
     def last_grad_norm(self) -> float | None:
         """The norm of the last step's gradients, lora_A's and lora_B's together (one host read: for logs)."""
-        norm = self._last_grad_norm_tensor()
+        norm = self.last_grad_norm_unread()
         return None if norm is None else float(norm)
 
-    def _last_grad_norm_tensor(self) -> torch.Tensor | float | None:
+    def last_grad_norm_unread(self) -> torch.Tensor | float | None:
+        """The same norm as it is kept, a device tensor not yet read (a log reads it with its other values), or
+        DeepSpeed's float; None before the first step or without clipping."""
         raise NotImplementedError
 
     def bind(self, engine_optimizer: Any) -> None:

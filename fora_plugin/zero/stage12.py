@@ -93,7 +93,7 @@ class ZeroFoRAOptimizer(ZeroClientOptimizer):
             self.process_group = data_parallel_group(engine_optimizer)
         self._engine_optimizer = engine_optimizer
 
-    def _last_grad_norm_tensor(self) -> torch.Tensor | None:
+    def last_grad_norm_unread(self) -> torch.Tensor | None:
         return self._last_grad_norm
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

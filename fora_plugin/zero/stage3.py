@@ -124,7 +124,7 @@ class Zero3FoRAOptimizer(ZeroClientOptimizer):
     def _zero3_optimizer(self) -> Any | None:
         return zero3_optimizer(next(iter(self._full)))
 
-    def _last_grad_norm_tensor(self) -> torch.Tensor | float | None:
+    def last_grad_norm_unread(self) -> torch.Tensor | float | None:
         # DeepSpeed's norm over every group (lora_A and lora_B); inf for a step it skipped.
         return zero_grad_norm(self._zero3_optimizer())
 
