@@ -121,14 +121,24 @@ class AcceleratedLike:
         self.optimizer = optimizer
 
 
-def test_skipped_steps_and_reprojections_of_the_optimizer_are_reported(caplog, tmp_path):
+def stepped_optimizer(seed: int, nan_in_first: bool = False):
+    """A Stiefel LoRA model and its FoRA optimizer after one step on random gradients (with a NaN in the first
+    lora_B's, whose step is then skipped)."""
     model = stiefel_lora_model()
     optimizer = build_fora_optimizer(model)
     stiefel = optimizer.stiefel_groups[0]["params"]
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     for p in stiefel:
         p.grad = torch.randn(p.shape, generator=gen)
+    if nan_in_first:
+        stiefel[0].grad[0, 0] = float("nan")
     optimizer.step()
+    return model, optimizer
+
+
+def test_skipped_steps_and_reprojections_of_the_optimizer_are_reported(caplog, tmp_path):
+    model, optimizer = stepped_optimizer(1)
+    stiefel = optimizer.stiefel_groups[0]["params"]
     assert stiefel_counters(AcceleratedLike(optimizer)) == {"skipped_steps": 0, "reprojections": 0}
     feed(DivergenceMonitor(), healthy_logs(2), AcceleratedLike(optimizer), tmp_path)
     assert warnings_of(caplog) == []
@@ -241,14 +251,7 @@ def test_fora_logs_of_the_optimizer_masters_and_of_no_adapter_read_once():
 def test_a_fora_log_and_the_monitor_read_the_device_once_together(caplog):
     """FoRA's log reads Cayley-Adam's counters with its own values and logs them; DivergenceMonitor takes them from
     the log, so the log and its checks cost one host read (two before: the monitor read the counters again)."""
-    model = stiefel_lora_model()
-    optimizer = build_fora_optimizer(model)
-    params = optimizer.stiefel_groups[0]["params"]
-    gen = torch.Generator().manual_seed(5)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
-    params[0].grad[0, 0] = float("nan")  # that lora_B's step is skipped
-    optimizer.step()
+    model, optimizer = stepped_optimizer(5, nan_in_first=True)
     expected = stiefel_counters(optimizer)  # the independent read
     assert expected["skipped_steps"] == 1
     with HostSyncCounter() as syncs, caplog.at_level(logging.WARNING, logger="fora_plugin.monitor"):
