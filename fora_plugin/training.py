@@ -29,9 +29,9 @@ from .backward import (
 from .config import FoRAConfig
 from .errors import FoRAInputError
 from .fisher import FisherScores, fisher_scores
-from .fsdp import prepare_fsdp2
+from .fsdp import launched, prepare_fsdp2
 from .monitor import DivergenceMonitor
-from .optim import FoRAOptimizer, create_fora_optimizer
+from .optim import FoRAOptimizer, create_fora_optimizer, default_cuda_graph
 from .selection import FoRASelection
 from .wiring import (
     FoRALogs,
@@ -188,6 +188,8 @@ def fora_optimizer(
         build = functools.partial(
             build_zero_fora_optimizer, max_grad_norm=args.max_grad_norm, sync_period=fora.qr_period
         )
+    # DDP and FSDP2 run in a launcher's process group; a DeepSpeed engine is data-parallel however it is launched.
+    data_parallel = launched(args) or trainer.is_deepspeed_enabled
     return build(
         model,
         lr=args.learning_rate,
@@ -200,7 +202,7 @@ def fora_optimizer(
         qr_period=fora.qr_period,
         cayley_solver=fora.cayley_solver,
         cayley_iters=fora.cayley_iters,
-        cuda_graph=fora.cuda_graph,
+        cuda_graph=default_cuda_graph(fora.cuda_graph, data_parallel=data_parallel),
         decay_parameter_names=trainer.get_decay_parameter_names(model),
         fused=True if args.optim == "adamw_torch_fused" else None,
         # The mode decides: a mode without Stiefel lora_B steps them by AdamW even where they carry the mark.

@@ -1092,6 +1092,28 @@ def test_captured_by_default_where_possible_eager_elsewhere_and_true_refused_the
         resolve_cuda_graph(True, cpu + meta)  # a group over two devices: its step cannot be one graph
 
 
+def test_a_training_run_leaves_an_unset_cuda_graph_eager_under_a_data_parallel_engine(monkeypatch):
+    from fora_plugin.optim import cayley_adam as module
+    from fora_plugin.optim import default_cuda_graph, resolve_cuda_graph
+
+    monkeypatch.setitem(module.GRAPH_BACKENDS, "meta", lambda run, device: run)
+    meta = [torch.zeros(4, 2, device="meta")]
+    table = {
+        (asked, data_parallel): resolve_cuda_graph(default_cuda_graph(asked, data_parallel=data_parallel), meta)
+        for asked in (None, True, False)
+        for data_parallel in (False, True)
+    }
+    assert table == {
+        (None, False): True,  # a single process: captured where it can be
+        (None, True): False,  # DDP, DeepSpeed, FSDP2: eager until measured there
+        (True, False): True,
+        (True, True): True,  # asked for: captured
+        (False, False): False,
+        (False, True): False,
+    }
+    assert resolve_cuda_graph(None, []) is False and resolve_cuda_graph(True, []) is False  # an empty group
+
+
 def test_an_unset_cuda_graph_captures_the_step_on_a_graph_backend(captures):
     """The default (None) takes the captured path where the device has a graph backend (here the CPU's stand-in),
     with the eager step's result; False stays eager."""
@@ -1109,6 +1131,43 @@ def test_an_unset_cuda_graph_captures_the_step_on_a_graph_backend(captures):
         assert len(captures) == (0 if cuda_graph is False else 1)
     result = differences(*runs)
     assert result["max_param_diff"] <= 1e-6 and result["max_state_diff"] <= 1e-6, result
+
+
+def test_a_resume_keeps_how_this_run_steps(captures):
+    """cuda_graph and implementation are this run's choice, not the checkpoint's: a state saved by a run that
+    captured (None) resumed with False stays eager, one saved eager (False) resumed unset captures again, and the
+    saved moments and counters come back either way."""
+    gen = torch.Generator().manual_seed(81)
+    for saved_graph, run_graph, captures_after in ((None, False, 0), (False, None, 1)):
+        shapes = [(24, 4), (12, 2)]
+        params = stiefel_params(shapes, seed=80)
+        saved_by = CayleyAdam(params, lr=0.05, cuda_graph=saved_graph, implementation="per_matrix")
+        for _ in range(4):
+            set_random_grads(params, gen)
+            saved_by.step()
+        resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        resumed = CayleyAdam(resumed_params, lr=0.05, cuda_graph=run_graph, implementation="staged")
+        resumed.load_state_dict(copy.deepcopy(saved_by.state_dict()))
+        (group,) = resumed.param_groups
+        assert (group["cuda_graph"], group["implementation"]) == (run_graph, "staged")
+        assert group["steps"] == 4  # what the step computes does come from the checkpoint
+        for p, q in zip(params, resumed_params):
+            assert torch.equal(saved_by.state[p]["exp_avg"], resumed.state[q]["exp_avg"])
+        captures.clear()
+        for _ in range(4):
+            set_random_grads(resumed_params, gen)
+            resumed.step()
+        assert len(captures) == captures_after, (saved_graph, run_graph)
+
+    # The same for FoRA's optimizer, whose loader is torch's over all its groups.
+    fora = two_group_fora_optimizer()
+    saved = copy.deepcopy(fora.state_dict())
+    (saved_stiefel,) = (group for group in saved["param_groups"] if group["stiefel"])
+    saved_stiefel.update(cuda_graph=None, implementation="per_matrix")
+    resumed = two_group_fora_optimizer()
+    resumed.stiefel_groups[0].update(cuda_graph=False, implementation="staged")
+    resumed.load_state_dict(saved)
+    assert [(g["cuda_graph"], g["implementation"]) for g in resumed.stiefel_groups] == [(False, "staged")]
 
 
 @pytest.mark.parametrize("value", [0, 1, 1.0, "true"])

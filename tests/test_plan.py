@@ -275,6 +275,10 @@ def test_a_captured_step_is_planned_with_its_static_gradients_and_graph_pool(tmp
     assert default.captures_cayley_step and any(n.startswith("cuda_graph: the captured") for n in default.notes)
     assert run_plan(default, modes=("fora",))["phases"]["fora"]["step"] == captured["fora"]["step"]
     assert not dataclasses.replace(default, loss_head_device="cpu").captures_cayley_step
+    # Under a data-parallel engine the trainer leaves an unset cuda_graph eager, and so does the plan; true captures.
+    for engine in ("ddp", "zero1", "zero2", "zero3", "fsdp2"):
+        assert not dataclasses.replace(default, engine=engine).captures_cayley_step, engine
+        assert dataclasses.replace(setup, engine=engine).captures_cayley_step, engine
     lora_b = (HIDDEN + 2 * KV_HEADS * HIDDEN // HEADS + INTERMEDIATE + HIDDEN) * (LAYERS // 2) * 4 * 4  # d_out, r 4
     added = captured["fora"]["step"].peak["stiefel"] - eager["fora"]["step"].peak["stiefel"]
     assert added >= lora_b + 2 * lora_b  # the static gradients, and a pool of at least B and G stacked

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 from conftest import char_tokenizer, tiny_llama
-from test_trainer import LAYERS, VOCAB, lora_config, sft_args, sums_dataset
+from test_trainer import LAYERS, VOCAB, lora_config, make_trainer, sft_args, sums_dataset
 
 from fora_plugin import FoRAConfig, FoRASFTTrainer
 from fora_plugin.fisher import fisher_scores
@@ -94,3 +94,21 @@ def test_fp16_scores_are_loss_scaled_to_the_fp32_scores(tmp_path):
     reference = fisher_scores(copy.deepcopy(fp32).half().float(), batches, 2, progress=False).scores
     assert trainer.fora_selection.scores.scores == pytest.approx(reference, rel=2e-2)
     assert trainer.fora_selection.scores.extra["loss_scale"] == 2.0**16
+
+
+@pytest.mark.parametrize("launched", [False, True])
+def test_an_unset_cuda_graph_is_eager_in_a_launchers_process_group(tmp_path, monkeypatch, launched):
+    """A single process captures Cayley-Adam's step where it can (here on the CPU's stand-in graph backend); under a
+    launcher (DDP, FSDP2) an unset cuda_graph stays eager, not yet measured there, and true still captures."""
+    from fora_plugin import make_stiefel, training
+    from fora_plugin.optim import cayley_adam, resolve_cuda_graph
+
+    monkeypatch.setitem(cayley_adam.GRAPH_BACKENDS, "cpu", lambda run, device: run)
+    monkeypatch.setattr(training, "launched", lambda args: launched)
+    trainer = make_trainer(tmp_path)
+    make_stiefel(trainer.model, generator=torch.Generator().manual_seed(0))
+    captured = {}
+    for asked in (None, True, False):
+        optimizer = training.fora_optimizer(trainer, trainer.model, FoRAConfig(cuda_graph=asked))
+        captured[asked] = {resolve_cuda_graph(g["cuda_graph"], g["params"]) for g in optimizer.stiefel_groups}
+    assert captured == {None: {not launched}, True: {True}, False: {False}}

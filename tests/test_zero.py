@@ -575,6 +575,22 @@ def test_lora_b_still_steps_after_load_state_dict():
     assert all(not torch.equal(b, p) for b, p in zip(before, optimizer.stiefel_parameters))
 
 
+def test_a_resumed_stiefel_state_keeps_this_runs_eager_step(monkeypatch):
+    """A Cayley state saved with cuda_graph unset (None, which captures outside DeepSpeed) does not make the client's
+    step captured on resume: how the step runs is this run's choice."""
+    from fora_plugin.optim import cayley_adam
+
+    monkeypatch.setitem(cayley_adam.GRAPH_BACKENDS, "cpu", lambda run, device: run)
+    optimizer = build_zero_fora_optimizer(small_model())
+    saved = optimizer.stiefel_state_dict()
+    (saved_group,) = saved["stiefel"]["param_groups"]
+    saved_group["cuda_graph"] = None
+    optimizer.load_stiefel_state_dict(saved)
+    (group,) = optimizer.stiefel.param_groups
+    assert group["cuda_graph"] is False
+    assert not cayley_adam.resolve_cuda_graph(group["cuda_graph"], group["params"])
+
+
 def test_stiefel_state_round_trip_restores_the_master():
     model = small_model()
     optimizer = build_zero_fora_optimizer(model)

@@ -39,6 +39,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "LINEAR_ALGEBRA_CONTEXTS",
     "REPROJECT_THRESHOLD",
+    "RUN_SETTINGS",
     "CayleyAdam",
     "bucket_key",
     "cayley_adam",
@@ -46,10 +47,12 @@ __all__ = [
     "COUNTERS",
     "counter_sums",
     "counter_totals",
+    "default_cuda_graph",
     "init_cayley_adam_state",
     "resolve_cuda_graph",
     "resolve_implementation",
     "restore_compute_state",
+    "run_settings_kept",
     "stiefel_step_with_gradients",
 ]
 
@@ -296,7 +299,8 @@ class CayleyAdam(Optimizer):
         resolve_cuda_graph(group["cuda_graph"], group["params"])  # refuses a capture the parameters cannot have
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+        with run_settings_kept(self):
+            super().load_state_dict(state_dict)
         restore_compute_state(self, state_dict)
         self.forget_writes()
 
@@ -357,6 +361,22 @@ def counter_totals(optimizer: Optimizer, keys: Iterable[str] = COUNTERS) -> dict
     present = [t for t in sums.values() if t is not None]
     values = iter(torch.stack(present).tolist() if present else [])
     return {key: 0 if t is None else int(next(values)) for key, t in sums.items()}
+
+
+# The group keys that say how a step runs, not what it computes. They are this run's choice: a checkpoint saved under
+# DeepSpeed (where an unset cuda_graph steps eagerly), on another device or with another flag must not set them.
+RUN_SETTINGS = ("implementation", "cuda_graph")
+
+
+@contextlib.contextmanager
+def run_settings_kept(optimizer: Optimizer) -> Iterator[None]:
+    """Around ``Optimizer.load_state_dict``, which puts every saved group key back: keep each group's
+    :data:`RUN_SETTINGS` as this run set them."""
+    kept = [{key: group[key] for key in RUN_SETTINGS if key in group} for group in optimizer.param_groups]
+    yield
+    # The loader has checked that the saved groups match these one for one.
+    for group, settings in zip(optimizer.param_groups, kept, strict=True):
+        group.update(settings)
 
 
 def restore_compute_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
@@ -564,7 +584,7 @@ def resolve_cuda_graph(cuda_graph: bool | None, params: list[torch.Tensor]) -> b
     graph would have to replay in lockstep with every rank). None (the default) captures where the group can be, the
     faster path measured on an H100 (docs/gpu.md) with the same result; True captures and refuses a group that cannot
     be, not stepping it eagerly behind the user's back; False never captures."""
-    if cuda_graph is False:
+    if cuda_graph is False or not params:  # an empty group has no step to capture
         return False
     devices = {p.device for p in params}
     device = next(iter(devices))
@@ -578,6 +598,16 @@ def resolve_cuda_graph(cuda_graph: bool | None, params: list[torch.Tensor]) -> b
         f"on one {sorted(GRAPH_BACKENDS)} device and none is sharded. Set cuda_graph to False (or leave it unset) "
         "there."
     )
+
+
+def default_cuda_graph(cuda_graph: bool | None, *, data_parallel: bool) -> bool | None:
+    """The ``cuda_graph`` a training run gives Cayley-Adam: as the user set it; unset, None (captured where a group
+    can be, :func:`resolve_cuda_graph`) in a single process, where the captured step was measured equal to the eager
+    one and faster (docs/gpu.md), and False (eager) under a data-parallel engine (DDP, DeepSpeed ZeRO, FSDP2), where
+    it has not been measured yet. True is kept everywhere: the user asked for the capture."""
+    if cuda_graph is None and data_parallel:
+        return False
+    return cuda_graph
 
 
 class _CapturedStep:

@@ -20,7 +20,7 @@ from torch.optim.adam import adam
 
 from ..adapter import stiefel_num_experts, stiefel_parameters
 from ..errors import FoRAInputError, FoRAInputTypeError
-from .cayley_adam import REPROJECT_THRESHOLD, CayleyAdam, counter_totals, restore_compute_state
+from .cayley_adam import REPROJECT_THRESHOLD, CayleyAdam, counter_totals, restore_compute_state, run_settings_kept
 from .dtensor import local_rows
 from .masters import compute_dtype, follow_parameter, signature
 from .masters import restore_compute_state as restore_state
@@ -229,7 +229,8 @@ class FoRAOptimizer(Optimizer):
         # The groups come back as saved; whether they keep masters stays this run's choice (a checkpoint of fp32
         # adapters resumed with bf16 ones gets its masters made from the weights at the first step).
         masters = [g.get("master_weights", False) for g in self.param_groups]
-        super().load_state_dict(state_dict)
+        with run_settings_kept(self):
+            super().load_state_dict(state_dict)
         for group, master in zip(self.param_groups, masters):
             group["master_weights"] = master
             if not master and not group["stiefel"]:

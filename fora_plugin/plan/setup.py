@@ -28,7 +28,7 @@ from .. import config as fora_config
 from ..errors import FoRAInputError
 from ..fsdp import check_fsdp, check_one_engine
 from ..models import load_model_config
-from ..optim.cayley_adam import GRAPH_BACKENDS
+from ..optim.cayley_adam import GRAPH_BACKENDS, default_cuda_graph
 from ..recipe import load_yaml_config, parse_config
 from ..selection import check_layer_indices, load_scores, resolve_layer_budget, select_layers
 from ..targets import check_target_modules, check_target_parameters
@@ -171,12 +171,10 @@ class PlanSetup:
 
     @property
     def captures_cayley_step(self) -> bool:
-        """Whether the planned run captures Cayley-Adam's step: as ``cuda_graph`` is set, else as its default decides
-        on the device planned for (captured in one process or under DDP on CUDA; eager under DeepSpeed and FSDP2,
-        whose clients and row-sharded step leave it unset to eager)."""
-        if self.fora.cuda_graph is not None or self.engine not in ("single", "ddp"):
-            return bool(self.fora.cuda_graph)
-        return self.loss_head_device in GRAPH_BACKENDS
+        """Whether the planned run captures Cayley-Adam's step: as its training run sets ``cuda_graph``
+        (:func:`~fora_plugin.optim.default_cuda_graph`), an unset one deciding by the device planned for."""
+        cuda_graph = default_cuda_graph(self.fora.cuda_graph, data_parallel=self.engine != "single")
+        return self.loss_head_device in GRAPH_BACKENDS if cuda_graph is None else cuda_graph
 
     def __post_init__(self) -> None:
         if self.loss_head_device not in LOSS_HEAD_DEVICES:

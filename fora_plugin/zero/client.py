@@ -17,7 +17,7 @@ import torch
 from torch.optim import AdamW
 
 from ..errors import FoRAInputTypeError
-from ..optim import CayleyAdam, wrapped_optimizers
+from ..optim import CayleyAdam, default_cuda_graph, wrapped_optimizers
 from ..validation import check_float
 from .deepspeed_internals import missing_optimizer_attributes
 
@@ -26,10 +26,12 @@ __all__ = ["ZeroClientOptimizer", "eager_unless_asked", "find_zero_client"]
 
 
 def eager_unless_asked(stiefel_defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """Cayley-Adam's keyword arguments under DeepSpeed: an unset ``cuda_graph`` steps eagerly there (True still
-    captures). The captured step is the default where it was measured (one process, docs/gpu.md); under DeepSpeed's
-    engines, whose rows on the H100 ran eagerly, it has not been measured yet."""
-    return {**stiefel_defaults, "cuda_graph": bool(stiefel_defaults.get("cuda_graph"))}
+    """Cayley-Adam's keyword arguments under DeepSpeed, a data-parallel engine: an unset ``cuda_graph`` steps eagerly
+    (:func:`~fora_plugin.optim.default_cuda_graph`); True still captures."""
+    return {
+        **stiefel_defaults,
+        "cuda_graph": default_cuda_graph(stiefel_defaults.get("cuda_graph"), data_parallel=True),
+    }
 
 
 class ZeroClientOptimizer(AdamW):
