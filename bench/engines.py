@@ -55,8 +55,9 @@ STEPS = 10
 TOLERANCE = {"fp32": 1e-5, "bf16": 2.0**-7}
 GOALS = {"drift": 1e-3, "reload_logits": 1e-3, "plan": 0.10, "plan_single": 0.05, "syncs_per_step": 0, "per_log": 1}
 # Seconds after which no further run starts (the rest are recorded as skipped): this section's share of the one
-# 10-minute GPU call.
-BUDGET_S = {"cuda": 170.0, "cpu": 1200.0}
+# 10-minute GPU call. On the H100 (2026-11-28) the references and the four one-rank engines ended at about 170 s, where
+# the gloo row, the last, then found the budget spent: it starts before 240 s.
+BUDGET_S = {"cuda": 240.0, "cpu": 1200.0}
 # Seconds one launch may take before it is stopped (a hung collective must not eat the call): several times what one
 # takes (about 20 s on a GPU machine, 30 s on a 2-core CPU).
 LAUNCH_TIMEOUT_S = {"cuda": 120.0, "cpu": 600.0}
@@ -340,7 +341,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         "fora_syncs_per_step": max((s["inner"] for s in steps[setup:]), default=None),
         "optimizer_steps_counted": len(steps),
         "syncs_per_log": max((s["total"] for s in run["log_syncs"]), default=None),
-        "sync_sites": sorted({w for s in steps[setup:] + run["log_syncs"] for w in s["where"]})[:6],
+        "sync_sites": sorted({w for s in steps[setup:] + run["log_syncs"] for w in s["where"]}),
         "max_drift_logged": max(drifts) if drifts else None,
         "max_drift_saved": max(orthogonality_error(b).item() for b in lora_b(run["saved"]).values()),
     }
@@ -610,7 +611,11 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     parser.add_argument("--tiny", action="store_true", help="the tiny CPU mode's model (any device)")
     parser.add_argument("--out", default="outputs/engines", help="folder for engines.json and engines.md")
-    parser.add_argument("--budget", type=float, help="seconds after which no run starts (default: 170 on a GPU)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help=f"seconds after which no run starts (default: {BUDGET_S['cuda']:.0f} on a GPU)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -101,11 +101,18 @@ class Estimate:
 # Row-wise sections start each row only if its estimate is left: step_time's 10 rows took 101-109 s on the H100.
 ROW_S = 11.0
 COMPILE_ROW_S = 90.0  # a guess: the 3B model compiled by dynamo and inductor, forward and backward, then 13 steps
+# What engines leaves of the budget for its reloads and plans after its last launch (besides what a launch started
+# just before its end may overrun, engines.overrun_s).
+ENGINES_MARGIN_S = 30.0
 ESTIMATES = {
     "optimizer": Estimate(60, 60, "58.4 s on the H100 (2026-11-28): each implementation eager and captured"),
     "host_syncs": Estimate(15, 15, "13.1 s on the H100 (2026-11-28): two trainers (captured, eager) and a profile"),
     "step_time": Estimate(100, ROW_S, "10 rows, 93-109 s on the H100"),
-    "engines": Estimate(230, 230, "7 launches, reloads and plans in 200 s on the H100 (2026-11-28), and the gloo row"),
+    "engines": Estimate(
+        engines.BUDGET_S["cuda"] + ENGINES_MARGIN_S,
+        engines.BUDGET_S["cuda"] + ENGINES_MARGIN_S,
+        "launches start until engines.BUDGET_S (the 7 before the gloo row ended at 170 s on the H100), then reloads",
+    ),
     "fast_path": Estimate(18 * ROW_S, ROW_S, "18 rows as step_time's; 7 of them, the Liger rows' compiles in, 61 s"),
     "step_rows": Estimate(11 * ROW_S, ROW_S, "8 rows, the 3 with 4 micro-batches about twice; 7 in 41 s"),
     "scoring": Estimate(10, 10, "8.3 s on the H100"),
@@ -119,9 +126,6 @@ DEFAULT_BUDGET_S = {"cuda": 430.0, "cpu": 1800.0}
 # What an earlier call's environment must share with this one for --reuse to take its rows: the same device, card,
 # driver and package versions (a second call may land on a fresh machine, even an H200).
 REUSE_SAME = ("device", "gpu", "driver", "packages")
-# What engines leaves of the budget for its reloads and plans after its last launch (besides what a launch started
-# just before its end may overrun, engines.overrun_s).
-ENGINES_MARGIN_S = 30.0
 PACKAGES = (
     "torch",
     "transformers",
@@ -1257,7 +1261,13 @@ def section_optimizer(ctx: Run) -> dict[str, Any]:
         lines += ["", f"The trainer rows run fora eager: {ctx.capture['reason']}."]
     if capture_text is not None:
         lines = [capture_text, "", *lines]
-    lines += ["", f"Top ops of 3 eager Cayley-Adam steps (the default), {profiled}:", "```", profile, "```"]
+    lines += [
+        "",
+        f"Top ops of 3 eager Cayley-Adam steps (the ops a capture replays), {profiled}:",
+        "```",
+        profile,
+        "```",
+    ]
     return {
         "sets": sets,
         "ratios": verdicts,

@@ -459,7 +459,7 @@ def release(device: torch.device) -> None:
 # The padded batch shapes a kind of pass has run in this process: (device, setting, pass, shape). cuDNN builds its
 # attention's execution plan, and cuBLAS chooses its kernels, once per shape and keep them for the process: a step at
 # a shape no earlier pass ran pays for that, a later step at the same shape does not.
-_WARM_SHAPES: set[tuple[str, str, str, tuple]] = set()
+_WARM_SHAPES: set[tuple] = set()
 
 # What TRL's compute_loss changes besides returning the loss: its training metrics and token count.
 _TRL_LOSS_STATE = ("_metrics", "_total_train_tokens")
@@ -490,10 +490,12 @@ def forward_backward(trainer, model: torch.nn.Module, batch: dict[str, Any], acc
 
 
 def warm_shapes(
-    trainer, model: torch.nn.Module, device: torch.device, key: tuple[str, str, str], *, batches: int, warmup: int
+    trainer, model: torch.nn.Module, device: torch.device, key: tuple, *, batches: int, warmup: int
 ) -> int:
     """One untimed forward + backward of ``model`` on a batch of each padded shape among the first ``batches`` of
-    :func:`train_batches` that no pass of ``key`` (device, setting, pass) has run in this process; returns how many.
+    :func:`train_batches` that no pass of ``key`` (device, setting, pass, and what else sets the kernels apart) has run
+    in this process; returns how many. A compiled model's graphs are not warmed: ``torch.compile`` wraps the model in
+    ``train()``, after this pass.
 
     Data padded per batch (the commonsense mix) has a new length at almost every step, and the first step at a length
     builds cuDNN's attention plans and cuBLAS's kernel choices for it: the warm-up steps, at other lengths, cannot
@@ -651,6 +653,8 @@ def _measure_row(
     live_memory: bool,
     clock: str,
 ) -> dict[str, Any]:
+    from fora_plugin.training import checkpoint_as_in_training
+
     num_layers = setting.model_config().num_hidden_layers
     layers = placements(num_layers)[row.placement] if row.placement in placements(num_layers) else None
     result = {**dataclasses.asdict(row), "layers": layers}
@@ -670,11 +674,16 @@ def _measure_row(
                 sft_options=dict(row.sft_options),
                 **common,
             )
+            # Checkpointed as train() will be: the warm pass must not hold every layer's activations where the
+            # timed steps do not (the memory a checkpointed row is run for).
+            checkpoint_as_in_training(trainer)
             shapes = warm_shapes(
                 trainer,
                 trainer.model,
                 device,
-                (str(device), setting.name, "adapters"),
+                # A row's options change its kernels (Liger's Triton kernels, bf16 adapters' products): a shape warm
+                # for one set of options is cold for another.
+                (str(device), setting.name, "adapters", row.options, row.sft_options),
                 batches=(warmup + steps + profile_steps) * row.accumulation,
                 warmup=warmup * row.accumulation,
             )

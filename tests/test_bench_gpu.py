@@ -294,11 +294,11 @@ def test_a_section_starts_only_with_its_estimate_left_and_saves_what_it_measured
         seen.update(json.loads((tmp_path / "gpu.json").read_text())["sections"])
         return {"text": "done"}
 
-    ctx.run("engines", lambda ctx: {"text": "ran"})  # 230 s estimate
+    ctx.run("engines", lambda ctx: {"text": "ran"})  # 270 s estimate
     ctx.run("scoring", scoring)  # 10 s
     sections = ctx.results
     assert sections["engines"]["status"] == "skipped"
-    assert "below the 230 s it needs to start" in sections["engines"]["reason"]
+    assert f"below the {gpu.ESTIMATES['engines'].seconds:.0f} s it needs to start" in sections["engines"]["reason"]
     assert "--only engines" in sections["engines"]["reason"]
     assert sections["scoring"]["status"] == "ok" and seen["scoring"] == {"status": "running", "runs": [1]}
     ctx.close()

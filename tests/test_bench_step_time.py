@@ -163,8 +163,11 @@ def test_timed_steps_see_only_batch_shapes_the_process_ran_before_them(step_time
         step_time.Row("fora", "top half", True, data="commonsense"),
         step_time.Row("frozen", "all", True, accumulation=2, data="commonsense"),
         step_time.Row("fg-lora", "top half", False),
+        # Other options, other kernels: the same batches warmed again.
+        step_time.Row("fg-lora", "top half", False, data="commonsense", options=(("input_cast", "peft"),)),
     ]
     calls: list[list[tuple[tuple[int, ...], int]]] = []
+    checkpointed: list[bool] = []
     build = step_time.build_model
 
     def recording_model(*args, **kwargs):
@@ -181,6 +184,9 @@ def test_timed_steps_see_only_batch_shapes_the_process_ran_before_them(step_time
 
     def checked_warm_shapes(trainer, model, *args, **kwargs):
         rng = torch.random.get_rng_state()
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        new_name = hasattr(base, "is_activation_checkpointing")  # transformers 5.x; the floors' name before
+        checkpointed.append(base.is_activation_checkpointing if new_name else base.is_gradient_checkpointing)
         count = warm(trainer, model, *args, **kwargs)
         # train() then runs as it would have: the same random state, no gradient left.
         assert torch.equal(torch.random.get_rng_state(), rng)
@@ -203,7 +209,14 @@ def test_timed_steps_see_only_batch_shapes_the_process_ran_before_them(step_time
         step_calls = (warmup + steps) * row.accumulation
         split.append((seen[: len(seen) - step_calls], seen[len(seen) - step_calls :]))
 
-    (lora_pass, lora_steps), (fora_pass, fora_steps), (frozen_pass, frozen_steps), (random_pass, random_steps) = split
+    # The pass runs checkpointed where the row's steps do (not holding every layer's activations).
+    assert checkpointed == [row.checkpointing for row in rows]
+    (lora_pass, lora_steps), (fora_pass, fora_steps), (frozen_pass, frozen_steps), (random_pass, random_steps) = split[
+        :4
+    ]
+    options_pass, options_steps = split[4]
+    assert options_steps == lora_steps and {shape for shape, _ in options_pass} == {s for s, _ in lora_steps}
+    assert results[4]["shape_warmup"] == len(options_pass)
     # The first row: one pass at each length its steps see, each once.
     lengths = {shape for shape, _ in lora_steps}
     assert len(lengths) > 2 and len(lora_pass) == len(lengths) == results[0]["shape_warmup"]
