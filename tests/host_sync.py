@@ -3,12 +3,17 @@
 A host sync is a point where the CPU waits for the device: reading a tensor's value into Python (``.item()``,
 ``float(t)``, ``if t:``, ``.tolist()``), an op whose output size depends on the data (``nonzero``, boolean-mask
 indexing, ``masked_select``), an error check that reads a device flag (``torch.linalg.solve``'s
-``_linalg_check_errors``), or host data copied to the device (``torch.tensor(values, device=...)``: a copy from
-pageable host memory, which CUDA makes synchronous). On a GPU each one stalls the launch queue; in an optimizer step
-that runs once per training step, a handful of them cost more than the step's own kernels. On the CPU they cost
-nothing, so they go unnoticed unless counted: :class:`HostSyncCounter` counts them with a dispatch mode (the aten
-ops) and a torch function mode (the Python-level reads that do not go through an aten op), so a CPU test can hold a
-GPU budget.
+``_linalg_check_errors``), or host data copied to the device (``torch.tensor(values, device=...)``,
+``t.new_tensor(values)``, a host-made tensor's ``.to(device)``: a copy from pageable host memory, which CUDA makes
+synchronous). On a GPU each one stalls the launch queue; in an optimizer step that runs once per training step, a
+handful of them cost more than the step's own kernels. On the CPU they cost nothing, so they go unnoticed unless
+counted: :class:`HostSyncCounter` counts them with a dispatch mode (the aten ops) and a torch function mode (the
+Python-level reads that do not go through an aten op), so a CPU test can hold a GPU budget.
+
+On the CPU every tensor is a host tensor, so a copy to "the device" is told by intent: a factory given Python data
+and a device other than ``"cpu"`` (a ``torch.device`` taken from a tensor counts, since on a GPU it is the GPU), and
+``.to`` of a tensor that a factory made from Python data inside the counter without a device. Missed: a host tensor
+made outside the counter (or by another function, ``torch.from_numpy``) moved inside it.
 
     with HostSyncCounter() as syncs:
         optimizer.step()
@@ -18,6 +23,7 @@ GPU budget.
 from __future__ import annotations
 
 import traceback
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +53,15 @@ _MASK_INDEXED_OPS = {_aten.index.Tensor, _aten.index_put.default, _aten.index_pu
 _HOST_READS = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy", torch.Tensor.cpu: "cpu"}
 # Factories that copy Python data to the device named by their ``device`` argument (a device-side fill, such as
 # ``torch.full``, makes no copy). On the CPU the device is the CPU, so a named device is what tells the intent.
-_HOST_DATA_TO_DEVICE = {torch.tensor: "host data to device", torch.as_tensor: "host data to device"}
+_HOST_DATA_FACTORIES = (torch.tensor, torch.as_tensor)
+
+
+def _names_a_device(device) -> bool:
+    """Whether a ``device`` argument names where the computation runs: a ``torch.device`` (as taken from a tensor,
+    the GPU on a GPU) or a string other than "cpu"; the string "cpu" asks for the host on any machine."""
+    if isinstance(device, torch.device):
+        return True
+    return isinstance(device, str) and torch.device(device).type != "cpu"
 
 
 @dataclass
@@ -88,21 +102,40 @@ class _FunctionCounter(TorchFunctionMode):
     def __init__(self, record) -> None:
         super().__init__()
         self._record = record
+        self._host_made: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = _HOST_READS.get(func)
-        if func in _HOST_DATA_TO_DEVICE:
+        host_made = False
+        if func in _HOST_DATA_FACTORIES:
             data = args[0] if args else kwargs.get("data")
-            if not isinstance(data, torch.Tensor) and kwargs.get("device") is not None:
-                kind = _HOST_DATA_TO_DEVICE[func]
-        if kind is None and func is torch.Tensor.to:
-            target = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, (str, torch.device))]
-            if any(torch.device(t).type == "cpu" for t in target) and args[0].device.type != "cpu":
+            if not isinstance(data, torch.Tensor):
+                if _names_a_device(kwargs.get("device")):
+                    kind = "host data to device"
+                elif kwargs.get("device") is None:
+                    host_made = True
+        elif func is torch.Tensor.new_tensor:
+            # The new tensor is on the device of the one it is called on unless told otherwise.
+            data = args[1] if len(args) > 1 else kwargs.get("data")
+            device = kwargs.get("device", args[0].device)
+            if not isinstance(data, torch.Tensor) and _names_a_device(device):
+                kind = "host data to device"
+        elif func is torch.Tensor.to:
+            source = args[0]
+            targets = [a for a in (*args[1:], kwargs.get("device"), kwargs.get("other")) if a is not None]
+            devices = [a.device if isinstance(a, torch.Tensor) else a for a in targets]
+            devices = [d for d in devices if isinstance(d, (str, torch.device))]
+            if any(torch.device(d).type == "cpu" for d in devices) and source.device.type != "cpu":
                 kind = "to(cpu)"
+            elif self._host_made.get(id(source)) is source and any(_names_a_device(d) for d in devices):
+                kind = "host tensor to device"
         if kind is not None:
             self._record(kind)
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if host_made and isinstance(result, torch.Tensor):
+            self._host_made[id(result)] = result
+        return result
 
 
 class HostSyncCounter:

@@ -20,6 +20,10 @@ from host_sync import HostSyncCounter
         (lambda t: torch.equal(t, t), "equal"),
         (lambda t: torch.tensor([1.0, 0.0], device=t.device), "host data to device"),
         (lambda t: torch.as_tensor(0.5, dtype=t.dtype, device=t.device), "host data to device"),
+        (lambda t: t.new_tensor([1.0, 0.0]), "host data to device"),  # on t's device
+        (lambda t: torch.tensor([1.0, 0.0]).to(t.device), "host tensor to device"),
+        (lambda t: torch.as_tensor([1, 0]).to(t), "host tensor to device"),
+        (lambda t: torch.tensor([1.0, 0.0]).to(device=t.device, dtype=t.dtype), "host tensor to device"),
     ],
 )
 def test_each_kind_of_host_read_counts_once(read, kind):
@@ -44,6 +48,10 @@ def test_device_side_work_counts_none():
         torch.full((), 0.5, device=a.device)  # a fill on the device, no copy from the host
         torch.as_tensor(a, dtype=torch.float64, device=a.device)  # device data: a cast, not a copy from the host
         torch.tensor([1.0, 2.0])  # a host tensor made on the host
+        torch.tensor([1.0, 2.0], device="cpu").to("cpu")  # asked for on the host, and kept there
+        a.new_tensor([1.0], device="cpu")
+        torch.tensor([1.0, 2.0]).to(torch.float64)  # a cast on the host
+        b.to(a.device)  # device data: no copy from the host
     assert syncs.count == 0, syncs.report()
 
 
