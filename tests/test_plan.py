@@ -716,6 +716,14 @@ def test_the_plans_fp32_product_of_half_factors_dispatches_no_out_dtype_op_and_a
                 chunked_logprob._addmm_fp32(acc, a, torch.zeros(8, 5, dtype=dtype))
             with pytest.raises(RuntimeError, match=r"acc \(5, 6\) .* a \(6, 7\) .* b \(7, 5\)"):
                 chunked_logprob._addmm_fp32(torch.zeros(5, 6), a, b)
+    # Real tensors get no silent non-result: the stand-ins compute nothing.
+    acc, a, b = torch.zeros(6, 5), torch.ones(6, 7, dtype=torch.bfloat16), torch.ones(7, 5, dtype=torch.bfloat16)
+    with plan_module.fused_lm_head_as_on_cuda():
+        with pytest.raises(RuntimeError, match=r"_addmm_fp32 was called on real tensors of shapes \[\(6, 5\), "):
+            chunked_logprob._addmm_fp32(acc, a, b)
+        with pytest.raises(RuntimeError, match=r"tile fold was called on real tensors of shapes \[\(6, 5\)\]"):
+            chunked_logprob._forward_tile(acc, 5)
+    assert torch.equal(acc, torch.zeros(6, 5))
 
 
 def test_a_loss_head_device_other_than_cuda_or_cpu_is_refused_by_name(tmp_path):

@@ -12,7 +12,7 @@ from unittest import mock
 
 import torch
 from torch._subclasses import fake_impls
-from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch._subclasses.fake_tensor import DataDependentOutputException, is_fake
 
 
 __all__ = ["FAKE_READBACK_ERRORS", "fused_lm_head_as_on_cuda", "grouped_mm_in_any_dtype"]
@@ -51,10 +51,21 @@ def fused_lm_head_as_on_cuda():
         yield
         return
 
+    def fake_only(name: str, values: tuple) -> None:
+        # The stand-ins compute no value: on real tensors (a loss run while the plan's patch is on) they would give a
+        # wrong loss and gradients, silently.
+        real = [tuple(v.shape) for v in values if isinstance(v, torch.Tensor) and not (is_fake(v) or v.is_meta)]
+        if real:
+            raise RuntimeError(
+                f"fora plan's stand-in for TRL's {name} was called on real tensors of shapes {real}: it computes no "
+                "value and runs only on the plan's fake tensors, inside fused_lm_head_as_on_cuda()"
+            )
+
     def fold_in_place(*args: Any, **kwargs: Any) -> None:
-        return None
+        fake_only("tile fold", (*args, *kwargs.values()))
 
     def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        fake_only("_addmm_fp32", (acc, a, b))
         if a.dtype not in (torch.float16, torch.bfloat16):
             acc.addmm_(a, b)
             return
