@@ -983,3 +983,19 @@ def test_plan_counts_the_lora_weights_and_fp32_partitions_of_a_real_zero2_engine
             assert 0 <= step["stiefel"] - real < 4 * run["stiefel_numel"] // 2, name  # far below one master's bytes
         else:
             assert "stiefel" not in step and run["stiefel"] is None, name
+
+
+def test_averaged_gradients_stay_fp32_under_another_default_dtype():
+    """The has-gradient counts travel in the gradients' buffer: made in the default dtype, fp64 would promote it."""
+    from fora_plugin.zero.stage12 import _averaged_gradients
+
+    params = [torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(4, 2))]
+    params[0].grad = torch.full((3, 2), 0.5)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        grads = _averaged_gradients(params, None)
+    finally:
+        torch.set_default_dtype(default)
+    assert grads[0].dtype == torch.float32 and torch.equal(grads[0], params[0].grad)
+    assert grads[1] is None

@@ -235,7 +235,8 @@ def _averaged_gradients(params: list[torch.Tensor], group: dist.ProcessGroup | N
         return []
     # Every rank sends the same layout: the gradients (zeros where absent), then one has-gradient count each. The
     # counts are filled in on the device: a tensor made from a host list is a synchronous copy on CUDA.
-    has_grad = torch.ones(len(params), device=params[0].device)
+    # fp32 as the gradients are: under another default dtype torch.cat would promote the whole buffer.
+    has_grad = torch.ones(len(params), dtype=torch.float32, device=params[0].device)
     for i, p in enumerate(params):
         if p.grad is None:
             has_grad[i] = 0.0
