@@ -863,7 +863,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 
 def format_optimizer_phase(rows: list[dict[str, Any]]) -> str:
-    """The optimizer phase of fora against fg-lora's on the same layers (the goal: at most 1.5 ms more)."""
+    """The optimizer phase of fora against fg-lora's on the same layers (bench/gpu.py's GOALS hold the goal)."""
     lines = [
         "| checkpointing | placement | row | fg-lora phase ms | fora phase ms | fora − fg-lora ms "
         "| fora optimizer.step ms | fora host ms |",
