@@ -172,6 +172,37 @@ def test_simulated_step_matches_a_real_run(tmp_path, checkpointing):
     assert step.flops == pytest.approx(real_flops, rel=0.01)
 
 
+def test_the_plans_attention_runs_as_the_runs_on_a_batch_with_every_token_kept(tmp_path, monkeypatch):
+    """transformers drops the all-ones mask of a batch with every token kept, and SDPA runs a grouped-query model's
+    key/value heads as they are. On fake tensors it cannot read the position ids and would build a mask, and repeat
+    k and v to every query head (3-5% of LLaMA-3.2-3B's step, against an H100). The plan runs the run's path, and its
+    note gives what a padded batch adds: k and v of the extra heads, per layer."""
+    from transformers.integrations import sdpa_attention
+
+    seen = []
+    own = sdpa_attention.use_gqa_in_sdpa
+
+    def recorded(attention_mask, key, value):
+        seen.append((attention_mask is None, key.shape[1]))
+        return own(attention_mask, key, value)
+
+    monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", recorded)
+    setup = plan_setup(write_config(tmp_path, dtype="float32", activation_checkpointing=False), [])
+    run_plan(setup, modes=("lora",))
+    config = tiny_config()
+    assert seen and set(seen) == {(True, config.num_key_value_heads)}
+    head_dim = config.hidden_size // config.num_attention_heads
+    extra = 2 * 2 * 32 * (config.num_attention_heads - config.num_key_value_heads) * head_dim * 4  # fp32
+    (note,) = [n for n in setup.notes if n.startswith("attention:")]
+    assert f"+{extra / 2**20:.0f} MiB for each layer" in note
+    # A model whose every query head has its own key/value head gets no note.
+    mha = tmp_path / "mha"
+    mha.mkdir()
+    mha_config = LlamaConfig(**{**config.to_dict(), "num_key_value_heads": config.num_attention_heads})
+    mha_config.save_pretrained(mha / "model")
+    assert not [n for n in plan_setup(write_config(mha), []).notes if n.startswith("attention:")]
+
+
 def _saved_by_a_forward(cast: str, layers: list[int] | None) -> int:
     """Bytes a real bf16 forward (SFTTrainer's loss, bf16 autocast) leaves alive for its backward, LoRA on ``layers``
     with PEFT's input cast as ``cast`` sets it."""
@@ -537,8 +568,26 @@ def test_fsdp2_adds_the_unsharded_root_to_two_gathered_layers(tmp_path):
     assert sharded.peak["transient"] == single.peak["transient"] + 2 * layer + root
     assert sharded.peak["weights"] == -(-single.peak["weights"] // 4)
     assert any("the root (embeddings, norm, head)" in note for note in result["notes"])
-    # FSDP2 on one GPU (one launched rank) is planned too, as FSDP2 (it was refused as a single process).
-    assert plan_setup(config, fsdp, gpus=1).engine == "fsdp2"
+    # FSDP2 on one GPU (one launched rank) is planned too, as FSDP2 (it was refused as a single process): nothing is
+    # divided, and it still all-gathers into buffers of its own, one layer and the root beyond the unsharded model
+    # (FSDPMemTracker on a fake process group of one rank; an H100 measured 2.82 GiB where 1.83 had been planned).
+    # Scoring runs before fully_shard: no gathered copy.
+    one_setup = plan_setup(config, fsdp, gpus=1)
+    assert one_setup.engine == "fsdp2"
+    one = run_plan(one_setup, modes=("fora",))
+    eager = ["--fora_cuda_graph", "false"]  # as FSDP2's row-sharded step runs
+    alone = run_plan(plan_setup(config, eager), modes=("fora",))["phases"]["fora"]
+    step, unsharded = one["phases"]["fora"]["step"], alone["step"]
+    assert step.peak == {**unsharded.peak, "transient": unsharded.peak["transient"] + layer + root}
+    assert one["phases"]["fora"]["scoring"] == alone["scoring"]
+    assert any("fsdp2 on 1 GPU: nothing divided" in note for note in one["notes"])
+    # A ZeRO-3 rank alone gathers nothing (the H100: 1.96 GiB measured, 1.84 planned unsharded).
+    zero3 = tmp_path / "zero3.json"
+    zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}))
+    zero3_setup = plan_setup(config, ["--deepspeed", str(zero3)], gpus=1)
+    assert zero3_setup.engine == "zero3"
+    alone3 = run_plan(zero3_setup, modes=("fora",))
+    assert alone3["phases"]["fora"]["step"].peak["transient"] == unsharded.peak["transient"]
 
 
 def test_fsdp2_peaks_at_the_first_all_gather_when_the_rest_of_the_step_holds_less(tmp_path):

@@ -146,7 +146,9 @@ def run_plan(setup: PlanSetup, modes: tuple[str, ...] = MODES, *, full_depth: bo
             f"elements = {buffers.nbytes / GIB:.2f} GiB ({buffers.settings}), whatever the trainable count"
         )
     # Built once: it sizes a meta model of every layer, and shard_phase runs per mode, phase and candidate.
-    gathered = gathered_bytes(setup) if setup.gpus > 1 and ENGINES[setup.engine].gathered_layers else None
+    rule = ENGINES[setup.engine]
+    gathers = rule.gathered_layers if setup.gpus > 1 else rule.gathered_layers_one_rank
+    gathered = gathered_bytes(setup) if gathers else None
     for mode in modes:
         entry: dict[str, Any] = {}
         phases = {"scoring": measured["scoring"]} if "scoring" in measured and mode != "lora" else {}

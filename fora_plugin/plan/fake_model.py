@@ -162,10 +162,14 @@ def dequantized_during_matmul(linears: list[nn.Linear], dtype: torch.dtype):
 
 
 def planned_batch(setup: PlanSetup, device: torch.device) -> dict[str, torch.Tensor]:
-    """One training batch of ``setup``'s shape (batch size x sequence length), every token kept."""
-    shape = (setup.batch_size, setup.seq_len)
-    ids = torch.zeros(shape, dtype=torch.long, device=device)
-    return {"input_ids": ids, "attention_mask": torch.ones(shape, dtype=torch.long, device=device), "labels": ids}
+    """One training batch of ``setup``'s shape (batch size x sequence length), every token kept.
+
+    No attention mask: of a batch with every token kept, the run's mask is all ones, which transformers drops (SDPA
+    then takes ``is_causal`` and runs grouped-query attention on the key/value heads as they are). A fake mask would
+    not be dropped (transformers cannot read its values), and SDPA would keep k and v repeated to every query head.
+    """
+    ids = torch.zeros((setup.batch_size, setup.seq_len), dtype=torch.long, device=device)
+    return {"input_ids": ids, "labels": ids}
 
 
 def planned_autocast(setup: PlanSetup, device: torch.device):

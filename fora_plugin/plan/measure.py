@@ -41,7 +41,12 @@ from .fake_model import (
     trainer_view,
     wrap_lora,
 )
-from .kernels import FAKE_READBACK_ERRORS, fused_lm_head_as_on_cuda, grouped_mm_in_any_dtype
+from .kernels import (
+    FAKE_READBACK_ERRORS,
+    fused_lm_head_as_on_cuda,
+    grouped_mm_in_any_dtype,
+    masks_of_unpacked_batches,
+)
 from .memory import LiveTensorTracker
 from .setup import PlanSetup
 
@@ -323,7 +328,7 @@ def measure(setup: PlanSetup, modes: tuple[str, ...], planned: list[int], scorin
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     out: dict[str, list[Phase]] = {}
     loss_head = fused_lm_head_as_on_cuda() if setup.loss_head_device == "cuda" else contextlib.nullcontext()
-    with grouped_mm_in_any_dtype(), loss_head:
+    with grouped_mm_in_any_dtype(), masks_of_unpacked_batches(), loss_head:
         if scoring:
             out["scoring"] = [_scoring_phase(setup, fake_mode, device)]
         fora_modes = tuple(m for m in modes if m != "lora")

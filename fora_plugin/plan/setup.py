@@ -249,6 +249,24 @@ def _hidden_size(hf_config: Any) -> int | None:
     return None
 
 
+def _padded_attention_note(hf_config: Any, batch_size: int, seq_len: int, dtype: torch.dtype) -> str | None:
+    """What a padded batch adds for a grouped-query attention model: the plan's batch keeps every token, so SDPA runs
+    on the key/value heads as they are; with padding the mask stays, transformers repeats k and v to every query head
+    (sdpa_attention_forward's repeat_kv), and SDPA keeps the repeated ones for the backward."""
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    heads, kv_heads = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+    if not heads or not kv_heads or kv_heads >= heads:
+        return None
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    extra = 2 * batch_size * seq_len * (heads - kv_heads) * head_dim * dtype.itemsize  # k and v, the added heads
+    return (
+        f"attention: planned for batches with every token kept (no padding mask: SDPA runs the {kv_heads} key/value "
+        f"heads as they are). A padded batch of the same length repeats k and v to the {heads} query heads and keeps "
+        f"them: +{extra / 2**20:.0f} MiB for each layer the backward runs through with checkpointing off, about one "
+        "layer's with it on"
+    )
+
+
 def engine_param_dtype(ds: dict[str, Any], training_args: Any) -> torch.dtype | None:
     """The dtype DeepSpeed's engine casts every parameter of the module to, LoRA's included (engine.py
     ``_mixed_precision_dtypes`` and ``_cast_module_mixed_precision``): fp16 or bf16 where its block is enabled,
@@ -448,6 +466,9 @@ def plan_setup(
         reduce_buffers=reduce_buffers,
         lora_dtype=engine_dtype,
     )
+    padded = _padded_attention_note(hf_config, setup.batch_size, setup.seq_len, setup.autocast_dtype or setup.dtype)
+    if padded is not None:
+        notes.append(padded)
     if setup.captures_cayley_step and fora.uses_stiefel:
         notes.append(
             "cuda_graph: the captured Cayley-Adam step keeps static lora_B gradient buffers and its graph's pool (the "

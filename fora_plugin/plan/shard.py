@@ -34,6 +34,17 @@ def shard_phase(
     that gather weights."""
     w = setup.gpus
     rule = ENGINES[setup.engine]
+    # Scoring before the engine wraps the model (shards_scoring empty: FSDP2) gathers nothing.
+    if w == 1 and rule.gathered_layers_one_rank and (rule.shards_scoring or not scoring):
+        layer, head, root = gathered
+        extra = rule.gathered_layers_one_rank * layer + {"head": head, "root": root}[rule.gathered_outside]
+        peak = {**phase.peak, "transient": phase.peak.get("transient", 0) + extra}
+        note = (
+            f"{setup.engine} on 1 GPU: nothing divided; + {extra / GIB:.2f} GiB transient: "
+            f"{_count(rule.gathered_layers_one_rank)} gathered decoder layer(s) and {GATHERED[rule.gathered_outside]} "
+            "(all-gathered into buffers of its own with one rank too)"
+        )
+        return dataclasses.replace(phase, peak=peak), [note]
     if not rule.shards or w == 1:
         return phase, []
     sharded = rule.shards_scoring if scoring else rule.shards
