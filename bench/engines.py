@@ -12,7 +12,8 @@ On a GPU: LLaMA-3.2-3B's config (bundled) with 4 of its 28 layers, random bf16 w
 fp32, CPU ranks over gloo with ``DS_ACCELERATOR=cpu``, as the tests run DeepSpeed and FSDP2.
 
     python bench/engines.py --device cuda --out "$OUT"     # also a section of bench/gpu.py
-    python bench/engines.py --device cpu --tiny            # CI runs it (tests/test_bench_engines.py)
+    python bench/engines.py --device cpu --tiny            # CI runs it (tests/test_bench_gpu.py)
+    python bench/engines.py --measured RUN.json            # on any host: plan RUN's engine runs, beside its memory
 """
 
 from __future__ import annotations
@@ -146,8 +147,9 @@ ENGINES = (
 
 
 # ------------------------------------------------------------------------------------------------------ setup
-def build_model(scale: Scale, device: torch.device, folder: Path) -> None:
-    """The base model (random weights, seed 0) and the tests' character tokenizer, saved to ``folder``."""
+def build_model(scale: Scale, device: torch.device, folder: Path, weights: bool = True) -> None:
+    """The base model (random weights, seed 0) and the tests' character tokenizer, saved to ``folder``; without
+    ``weights``, its config.json alone (what `fora plan` reads)."""
     sys.path.insert(0, str(TESTS))
     from conftest import char_tokenizer, tiny_llama_config
     from transformers import AutoModelForCausalLM
@@ -163,11 +165,15 @@ def build_model(scale: Scale, device: torch.device, folder: Path) -> None:
         config = load_model_config(find_model_config("meta-llama/Llama-3.2-3B"))
         config.num_hidden_layers = 4
         dtype = torch.bfloat16
+    char_tokenizer().save_pretrained(folder)
+    if not weights:
+        config.dtype = dtype
+        config.save_pretrained(folder)
+        return
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
     del model
 
 
@@ -394,13 +400,18 @@ def reload_check(runs: dict[str, dict[str, Any]], model_dir: Path, device: torch
     return checks
 
 
-def start_plan(engine: Engine | None, config: str, train: list[str], out: Path, ranks: int) -> subprocess.Popen:
-    """`fora plan` of the run's config and keys (the layers it chose, from its selection record), in the background
-    on the CPU, as the user runs it."""
+def start_plan(
+    engine: Engine | None, config: str, train: list[str], out: Path, ranks: int, layers: list[int] | None = None
+) -> subprocess.Popen:
+    """`fora plan` of the run's config and keys (the layers it chose: from its selection record, or ``layers``), in
+    the background on the CPU, as the user runs it."""
     from fora_plugin.selection import SCORES_FILE
 
     keys = [k for k in train]
-    keys += ["--fora_scores_path", str(out / SCORES_FILE)]
+    if layers is None:
+        keys += ["--fora_scores_path", str(out / SCORES_FILE)]
+    else:
+        keys += ["--fora_layers", *map(str, layers)]
     keys += engine.plan_flags() if engine is not None else []
     command = [sys.executable, "-m", "fora_plugin.cli", "plan", config, *keys, "--gpus", str(ranks)]
     command += ["--output", str(out / "plan")]
@@ -594,6 +605,72 @@ def tables(result: dict[str, Any], device: torch.device) -> str:
     return "\n".join(lines)
 
 
+def replan(measured: Path, root: Path, log=print, scale: Scale = GPU) -> dict[str, Any]:
+    """`fora plan`, on this host, of every run of an earlier GPU run of this section (bench/gpu.py's JSON or
+    engines.json) that measured its memory, beside its ``max_memory_allocated``: the check a GPU call's own plans
+    did not finish, or a change of the plan checked against the GPU's figures without a GPU. Same configs and keys as
+    the runs, the layers they chose given as ``fora_layers``."""
+    data = json.loads(measured.read_text())
+    section = data.get("sections", {}).get("engines", data)
+    if "rows" not in section:
+        raise SystemExit(f"--measured {measured}: no engines rows (status {section.get('status')!r})")
+    root.mkdir(parents=True, exist_ok=True)
+    model_dir, data_path = root / "model", root / "data.json"
+    build_model(scale, torch.device("cpu"), model_dir, weights=False)
+    write_data(scale, data_path)
+    engines = {engine.name: engine for engine in ENGINES}
+    plans, rows = {}, {}
+    for name, row in section["rows"].items():
+        if row.get("status") != "ok" or not row.get("max_memory_allocated"):
+            continue
+        engine = engines.get(name)
+        reference = REFERENCES.get(name)
+        fp32, micro, config = (
+            (engine.fp32, 1, engine.config) if engine else (reference.fp32, reference.micro_batches, reference.config)
+        )
+        out = root / name.replace(",", "").replace(" ", "-")
+        out.mkdir()
+        train = overrides(scale, False, fp32, model_dir, data_path, out, micro)
+        ranks = engine.ranks if engine else 1
+        plans[name] = (start_plan(engine, config, train, out, ranks, layers=row["chosen_layers"]), out)
+        rows[name] = row
+        plans[name][0].wait()  # one at a time: each plan takes the host's cores
+        log(f"  planned {name}")
+    comparisons = {}
+    for name, (process, out) in plans.items():
+        plan = collect_plan(process, out, 1.0)
+        measured_bytes = rows[name]["max_memory_allocated"]
+        goal = GOALS["plan_single"] if name in REFERENCES else GOALS["plan"]
+        comparisons[name] = {
+            "step_bytes": plan.get("step_bytes"),
+            "measured_bytes": measured_bytes,
+            "deviation": plan["step_bytes"] / measured_bytes - 1 if "step_bytes" in plan else None,
+            "goal": goal,
+            "failed": plan.get("error"),
+        }
+    env = data.get("environment", {})
+    lines = [
+        f"`fora plan` on this host of the engine runs measured on the {env.get('gpu', 'GPU')} "
+        f"({env.get('date_utc', '?')}, {measured.name}):",
+        "",
+        "| run | planned GiB | max allocated GiB | plan / measured − 1 | goal |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for name, c in comparisons.items():
+        if c["deviation"] is None:
+            lines.append(f"| {name} | failed | {gib(c['measured_bytes'])} | — | — |")
+            continue
+        verdict = "met" if abs(c["deviation"]) <= c["goal"] else "missed"
+        lines.append(
+            f"| {name} | {gib(c['step_bytes'])} | {gib(c['measured_bytes'])} | {100 * c['deviation']:+.1f}% "
+            f"| within {100 * c['goal']:.0f}%: {verdict} |"
+        )
+    for name, c in comparisons.items():
+        if c["failed"]:
+            lines += ["", f"plan of {name} failed:", "```", c["failed"], "```"]
+    return {"comparisons": comparisons, "text": "\n".join(lines)}
+
+
 def section(ctx, budget_s: float) -> dict[str, Any]:
     """bench/gpu.py's ``engines`` section: the tiny scale with --tiny, else the GPU's; no launch starts after
     ``budget_s`` (what the whole run can give it) or this section's own budget, whichever comes first."""
@@ -612,17 +689,31 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="the tiny CPU mode's model (any device)")
     parser.add_argument("--out", default="outputs/engines", help="folder for engines.json and engines.md")
     parser.add_argument(
+        "--measured",
+        type=Path,
+        help="an earlier GPU run's JSON (bench/gpu.py's or engines.json): plan its engine runs on this host and "
+        "compare with the memory they measured; nothing else runs",
+    )
+    parser.add_argument(
         "--budget",
         type=float,
         help=f"seconds after which no run starts (default: {BUDGET_S['cuda']:.0f} on a GPU)",
     )
     args = parser.parse_args()
+    out = Path(args.out)
+    if args.measured is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            result = replan(args.measured, Path(tmp))
+        (out / "engines-plan.json").write_text(json.dumps(result, indent=2, default=str))
+        (out / "engines-plan.md").write_text(result["text"])
+        print(result["text"])
+        return 0
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no GPU: use --device cpu --tiny")
     if device.type == "cpu" and not args.tiny:
         parser.error("--device cpu runs the tiny mode only: add --tiny")
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         try:

@@ -200,6 +200,31 @@ def test_every_engine_trains_as_one_process_does_and_its_adapter_reloads(report)
     assert "| ZeRO-3 | single | 1.0e-05 (fp32) |" in report["sections"]["engines"]["text"]
 
 
+def test_engine_runs_of_an_earlier_gpu_run_are_planned_here_beside_their_memory(tmp_path):
+    """bench/engines.py --measured: each run that measured its memory is planned with its own config, engine and
+    chosen layers, and set beside its max_memory_allocated; a failed run is left out."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import engines
+
+    measured = tmp_path / "engines.json"
+    rows = {
+        "single": {"status": "ok", "max_memory_allocated": 3 * 2**20, "chosen_layers": [1, 3]},
+        "ZeRO-3": {"status": "ok", "max_memory_allocated": 2**20, "chosen_layers": [0, 2]},
+        "FSDP2": {"status": "error"},
+    }
+    measured.write_text(json.dumps({"rows": rows}))
+    result = engines.replan(measured, tmp_path / "plans", log=lambda *a: None, scale=engines.TINY)
+    comparisons = result["comparisons"]
+    assert list(comparisons) == ["single", "ZeRO-3"]
+    for name, c in comparisons.items():
+        assert c["failed"] is None and c["step_bytes"] > 0
+        assert c["deviation"] == pytest.approx(c["step_bytes"] / rows[name]["max_memory_allocated"] - 1)
+    assert (comparisons["single"]["goal"], comparisons["ZeRO-3"]["goal"]) == (0.05, 0.10)
+    plans = {name: json.loads((tmp_path / "plans" / name / "plan" / "plan.json").read_text()) for name in comparisons}
+    assert (plans["single"]["engine"], plans["ZeRO-3"]["engine"]) == ("single", "zero3")
+    assert "| ZeRO-3 |" in result["text"] and "FSDP2" not in result["text"]
+
+
 def test_peak_sites_replays_an_allocator_trace_to_its_peak():
     """bench/gpu.py's reading of torch.cuda.memory._snapshot(), against a trace whose peak is known by hand."""
     sys.path.insert(0, str(REPO / "bench"))
