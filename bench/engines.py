@@ -56,8 +56,8 @@ STEPS = 10
 TOLERANCE = {"fp32": 1e-5, "bf16": 2.0**-7}
 GOALS = {"drift": 1e-3, "reload_logits": 1e-3, "plan": 0.10, "plan_single": 0.05, "syncs_per_step": 0, "per_log": 1}
 # Seconds after which no further run starts (the rest are recorded as skipped): this section's share of the one
-# 10-minute GPU call. On the H100 (2026-11-28) the references and the four one-rank engines ended at about 170 s, where
-# the gloo row, the last, then found the budget spent: it starts before 240 s.
+# 10-minute GPU call. On the H100 (2026-11-28) the single-process runs (37 s) and the four one-rank engines (147 s)
+# ended about 190 s into the section, past the 170 s then, so the gloo row, the last, was skipped: now 240 s.
 BUDGET_S = {"cuda": 240.0, "cpu": 1200.0}
 # Seconds one launch may take before it is stopped (a hung collective must not eat the call): several times what one
 # takes (about 20 s on a GPU machine, 30 s on a 2-core CPU).
@@ -625,6 +625,11 @@ def replan(measured: Path, root: Path, log=print, scale: Scale = GPU) -> dict[st
             continue
         engine = engines.get(name)
         reference = REFERENCES.get(name)
+        if engine is None and reference is None:
+            raise SystemExit(
+                f"--measured {measured}: its run {name!r} is none of this bench's ({[*REFERENCES, *engines]}); plan "
+                "it with `fora plan` and its own keys, or take a JSON of this version of bench/engines.py"
+            )
         fp32, micro, config = (
             (engine.fp32, 1, engine.config) if engine else (reference.fp32, reference.micro_batches, reference.config)
         )

@@ -124,9 +124,10 @@ class FoRAConfig:
         default=None,
         metadata={
             "help": "Capture Cayley-Adam's step in a CUDA graph after two eager steps and replay it (one launch "
-            "instead of one per kernel). Unset: captured where lora_B can be in a single process (one CUDA GPU); "
-            "eager on the CPU, under FSDP2 and, until measured there, under DDP and DeepSpeed. true: captured, "
-            "refused where it cannot be. false: eager."
+            "instead of one per kernel). Unset: captured where lora_B can be in a process started without a launcher "
+            "(one CUDA GPU); eager on the CPU, under FSDP2 and, until measured there, under torchrun / accelerate "
+            "launch (DDP, even with one process) and DeepSpeed. true: captured, refused where it cannot be. false: "
+            "eager."
         },
     )
     init_a: str = field(

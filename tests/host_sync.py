@@ -12,8 +12,9 @@ Python-level reads that do not go through an aten op), so a CPU test can hold a 
 
 On the CPU every tensor is a host tensor, so a copy to "the device" is told by intent: a factory given Python data
 and a device other than ``"cpu"`` (a ``torch.device`` taken from a tensor counts, since on a GPU it is the GPU), and
-``.to`` of a tensor that a factory made from Python data inside the counter without a device. Missed: a host tensor
-made outside the counter (or by another function, ``torch.from_numpy``) moved inside it.
+``.to`` of a tensor that a factory made from Python data inside the counter on the host. Missed: a host tensor made
+outside the counter (or by another function, ``torch.from_numpy``) moved inside it, and ``device_tensor.copy_(host)``
+(on the CPU both are host tensors).
 
     with HostSyncCounter() as syncs:
         optimizer.step()
@@ -111,10 +112,12 @@ class _FunctionCounter(TorchFunctionMode):
         if func in _HOST_DATA_FACTORIES:
             data = args[0] if args else kwargs.get("data")
             if not isinstance(data, torch.Tensor):
-                if _names_a_device(kwargs.get("device")):
-                    kind = "host data to device"
-                elif kwargs.get("device") is None:
+                device = kwargs.get("device")
+                if device is None or torch.device(device).type == "cpu":
+                    # Made on the host (by default or asked for): moving it to a device later is a copy.
                     host_made = True
+                if _names_a_device(device):
+                    kind = "host data to device"
         elif func is torch.Tensor.new_tensor:
             # The new tensor is on the device of the one it is called on unless told otherwise.
             data = args[1] if len(args) > 1 else kwargs.get("data")

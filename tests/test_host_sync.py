@@ -24,6 +24,7 @@ from host_sync import HostSyncCounter
         (lambda t: torch.tensor([1.0, 0.0]).to(t.device), "host tensor to device"),
         (lambda t: torch.as_tensor([1, 0]).to(t), "host tensor to device"),
         (lambda t: torch.tensor([1.0, 0.0]).to(device=t.device, dtype=t.dtype), "host tensor to device"),
+        (lambda t: torch.tensor([1.0, 0.0], device="cpu").to(t.device), "host tensor to device"),
     ],
 )
 def test_each_kind_of_host_read_counts_once(read, kind):

@@ -198,6 +198,17 @@ def test_the_plans_attention_runs_as_the_runs_on_a_batch_with_every_token_kept(t
     # A model whose every query head has its own key/value head gets no note.
     mha = tmp_path / "mha"
     mha.mkdir()
+    # Packed sequences keep the mask that sets them apart: the plan builds it, and SDPA repeats k and v, as in the run.
+    seen.clear()
+    packed = plan_setup(write_config(tmp_path, dtype="float32", activation_checkpointing=False, packing=True), [])
+    run_plan(packed, modes=("lora",))
+    assert seen and set(seen) == {(False, config.num_key_value_heads)}
+    assert (
+        run_plan(packed, modes=("lora",))["phases"]["lora"]["step"].total
+        > run_plan(setup, modes=("lora",))["phases"]["lora"]["step"].total
+    )
+    (note,) = [n for n in packed.notes if n.startswith("attention:")]
+    assert note.startswith("attention: planned for packed sequences") and f"({extra / 2**20:.0f} MiB a layer" in note
     mha_config = LlamaConfig(**{**config.to_dict(), "num_key_value_heads": config.num_attention_heads})
     mha_config.save_pretrained(mha / "model")
     assert not [n for n in plan_setup(write_config(mha), []).notes if n.startswith("attention:")]

@@ -602,9 +602,10 @@ def resolve_cuda_graph(cuda_graph: bool | None, params: list[torch.Tensor]) -> b
 
 def default_cuda_graph(cuda_graph: bool | None, *, data_parallel: bool) -> bool | None:
     """The ``cuda_graph`` a training run gives Cayley-Adam: as the user set it; unset, None (captured where a group
-    can be, :func:`resolve_cuda_graph`) in a single process, where the captured step was measured equal to the eager
-    one and faster (docs/gpu.md), and False (eager) under a data-parallel engine (DDP, DeepSpeed ZeRO, FSDP2), where
-    it has not been measured yet. True is kept everywhere: the user asked for the capture."""
+    can be, :func:`resolve_cuda_graph`) in a process started without a launcher, where the captured step was measured
+    equal to the eager one and faster (docs/gpu.md), and False (eager) under a data-parallel launcher or engine (DDP,
+    even of one process, DeepSpeed ZeRO, FSDP2), where it has not been measured yet. True is kept everywhere: the user
+    asked for the capture."""
     if cuda_graph is None and data_parallel:
         return False
     return cuda_graph

@@ -328,7 +328,9 @@ def measure(setup: PlanSetup, modes: tuple[str, ...], planned: list[int], scorin
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     out: dict[str, list[Phase]] = {}
     loss_head = fused_lm_head_as_on_cuda() if setup.loss_head_device == "cuda" else contextlib.nullcontext()
-    with grouped_mm_in_any_dtype(), masks_of_unpacked_batches(), loss_head:
+    # Packed sequences keep their mask, which the plan then builds as the run does.
+    unpacked = contextlib.nullcontext() if setup.packs_sequences else masks_of_unpacked_batches()
+    with grouped_mm_in_any_dtype(), unpacked, loss_head:
         if scoring:
             out["scoring"] = [_scoring_phase(setup, fake_mode, device)]
         fora_modes = tuple(m for m in modes if m != "lora")

@@ -170,6 +170,13 @@ class PlanSetup:
     lora_dtype: torch.dtype | None = None
 
     @property
+    def packs_sequences(self) -> bool:
+        """Whether the run's batches hold several sequences a row (TRL's ``packing``, or ``padding_free``): their
+        attention mask keeps the sequences apart, where a row of one sequence needs none."""
+        args = self.training_args
+        return bool(getattr(args, "packing", False) or getattr(args, "padding_free", False))
+
+    @property
     def captures_cayley_step(self) -> bool:
         """Whether the planned run captures Cayley-Adam's step: as its training run sets ``cuda_graph``
         (:func:`~fora_plugin.optim.default_cuda_graph`), an unset one deciding by the device planned for."""
@@ -249,16 +256,25 @@ def _hidden_size(hf_config: Any) -> int | None:
     return None
 
 
-def _padded_attention_note(hf_config: Any, batch_size: int, seq_len: int, dtype: torch.dtype) -> str | None:
-    """What a padded batch adds for a grouped-query attention model: the plan's batch keeps every token, so SDPA runs
-    on the key/value heads as they are; with padding the mask stays, transformers repeats k and v to every query head
-    (sdpa_attention_forward's repeat_kv), and SDPA keeps the repeated ones for the backward."""
+def _padded_attention_note(
+    hf_config: Any, batch_size: int, seq_len: int, dtype: torch.dtype, packed: bool
+) -> str | None:
+    """How a grouped-query attention model's attention is planned. A batch of one sequence a row, every token kept,
+    has no mask, and SDPA runs on the key/value heads as they are; with a mask (padding, or packed sequences kept
+    apart) transformers repeats k and v to every query head (sdpa_attention_forward's repeat_kv), and SDPA keeps the
+    repeated ones for the backward."""
     cfg = getattr(hf_config, "text_config", None) or hf_config
     heads, kv_heads = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
     if not heads or not kv_heads or kv_heads >= heads:
         return None
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     extra = 2 * batch_size * seq_len * (heads - kv_heads) * head_dim * dtype.itemsize  # k and v, the added heads
+    if packed:
+        return (
+            f"attention: planned for packed sequences (packing / padding_free): their mask keeps them apart, and SDPA "
+            f"keeps k and v repeated to the {heads} query heads ({extra / 2**20:.0f} MiB a layer the backward runs "
+            "through)"
+        )
     return (
         f"attention: planned for batches with every token kept (no padding mask: SDPA runs the {kv_heads} key/value "
         f"heads as they are). A padded batch of the same length repeats k and v to the {heads} query heads and keeps "
@@ -466,13 +482,17 @@ def plan_setup(
         reduce_buffers=reduce_buffers,
         lora_dtype=engine_dtype,
     )
-    padded = _padded_attention_note(hf_config, setup.batch_size, setup.seq_len, setup.autocast_dtype or setup.dtype)
+    padded = _padded_attention_note(
+        hf_config, setup.batch_size, setup.seq_len, setup.autocast_dtype or setup.dtype, setup.packs_sequences
+    )
     if padded is not None:
         notes.append(padded)
     if setup.captures_cayley_step and fora.uses_stiefel:
         notes.append(
             "cuda_graph: the captured Cayley-Adam step keeps static lora_B gradient buffers and its graph's pool (the "
-            "step's own buffers) from the capture on; both are counted in the Stiefel part"
+            "step's own buffers) from the capture on; both are counted in the Stiefel part (a run under torchrun or "
+            "accelerate launch, even of one process, steps eagerly unless fora_cuda_graph: true: plan it with "
+            "--fora_cuda_graph false)"
         )
     return setup
 
