@@ -13,6 +13,7 @@ from unittest import mock
 import torch
 from torch._subclasses import fake_impls
 from torch._subclasses.fake_tensor import DataDependentOutputException, is_fake
+from transformers import masking_utils
 
 
 __all__ = ["FAKE_READBACK_ERRORS", "fused_lm_head_as_on_cuda", "grouped_mm_in_any_dtype", "masks_of_unpacked_batches"]
@@ -96,14 +97,6 @@ def masks_of_unpacked_batches():
     grouped-query model and keeps them for the backward: 3-5% of LLaMA-3.2-3B's step with checkpointing off, planned
     against an H100's ``max_memory_allocated``. Here the ids read as one sequence a row, as they are.
     """
-    try:
-        from transformers import masking_utils
-    except ImportError:  # a transformers without it builds its masks another way: left as it is
-        yield
-        return
-    if not hasattr(masking_utils, "find_packed_sequence_indices"):
-        yield
-        return
     with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
         yield
 

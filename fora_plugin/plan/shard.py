@@ -13,7 +13,7 @@ import math
 import torch
 
 from ..targets import find_decoder_layers
-from .engine_rules import ENGINES, GATHERED, PARTS
+from .engine_rules import ENGINES, GATHERED, PARTS, EngineSharding
 from .fake_model import four_bit_linears, meta_model_of
 from .measure import GIB, Phase
 from .setup import PlanSetup
@@ -36,8 +36,8 @@ def shard_phase(
     rule = ENGINES[setup.engine]
     # Scoring before the engine wraps the model (shards_scoring empty: FSDP2) gathers nothing.
     if w == 1 and rule.gathered_layers_one_rank and (rule.shards_scoring or not scoring):
-        layer, head, root = gathered
-        extra = rule.gathered_layers_one_rank * layer + {"head": head, "root": root}[rule.gathered_outside]
+        layer, outside = _gathered(rule, gathered)
+        extra = rule.gathered_layers_one_rank * layer + outside
         peak = {**phase.peak, "transient": phase.peak.get("transient", 0) + extra}
         note = (
             f"{setup.engine} on 1 GPU: nothing divided; + {extra / GIB:.2f} GiB transient: "
@@ -54,8 +54,7 @@ def shard_phase(
     note = f"{setup.engine} over {w} GPUs: {', '.join(sharded)} divided by {w} (computed, not simulated ranks)"
     if rule.gathered_layers:
         # Gathered while computing: the current and the prefetched decoder layer, and the head or the FSDP2 root.
-        layer, head, root = gathered
-        outside = {"head": head, "root": root}[rule.gathered_outside]
+        layer, outside = _gathered(rule, gathered)
         layers = rule.gathered_layers * layer
         peak["transient"] = peak.get("transient", 0) + layers + outside
         note += (
@@ -77,6 +76,12 @@ def shard_phase(
     notes = [note]
     notes += [f"{setup.engine}: {PARTS[part]} are whole on every GPU" for part in rule.whole if phase.peak.get(part)]
     return dataclasses.replace(phase, peak=peak), notes
+
+
+def _gathered(rule: EngineSharding, gathered: tuple[int, int, int]) -> tuple[int, int]:
+    """(bytes of a gathered decoder layer, bytes of what the rule keeps gathered outside the layers)."""
+    layer, head, root = gathered
+    return layer, {"head": head, "root": root}[rule.gathered_outside]
 
 
 def _count(n: int) -> str:
