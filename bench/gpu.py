@@ -1192,8 +1192,11 @@ def section_optimizer(ctx: Run) -> dict[str, Any]:
     buffer = io.StringIO()
     real_scale = {}
     with contextlib.redirect_stdout(buffer):
-        # The stacked-views step and the previous one beside today's, where git can give them (a note where not).
-        optimizer_bench.load_older(optimizer_bench.STACKED_REV, optimizer_bench.PREVIOUS_REV)
+        # The stacked-views step, the previous one and the staged one before its buffer lived from phase 1 to 3
+        # beside today's, where git can give them (a note where not).
+        optimizer_bench.load_older(
+            optimizer_bench.STACKED_REV, optimizer_bench.PREVIOUS_REV, optimizer_bench.STAGED_REV
+        )
         for name, d_outs, r, experts in ctx.scale.optimizer_sets:
             captured = optimizer_bench.bench_set(name, d_outs, r, experts, ctx.scale.optimizer_rounds)
             if captured:

@@ -7,10 +7,12 @@ For each set of lora_B shapes it prints, side by side from one run:
   alike) of ``AdamW(fused=True)``, ``AdamW(foreach=True)``, Cayley-Adam before the stacked storage (the old step,
   kept in ``bench/reference_cayley_adam.py``), Cayley-Adam on stacked storage whose views were the parameters (the
   step at ``--stacked-rev``, imported from git, replaced because a parameter must own its storage), Cayley-Adam at
-  ``--previous-rev`` (copies of [B, m] into a buffer per bucket), Cayley-Adam now (the defaults: eager and matrix by
-  matrix on the CPU; on a GPU a dense buffer per bucket, captured as a CUDA graph) and each of its implementations
-  forced, eager and on a GPU captured, and the step's two essential matmuls alone: the Gram matrix [B, m]ᵀ[B, m] and
-  the update [B, m]·C of every shape bucket (about 16·r flops per entry);
+  ``--previous-rev`` (copies of [B, m] into a buffer per bucket), the staged step at ``--staged-rev`` (the buffer
+  gathered again in phase 3, each Gram matrix one product: the step the H100 measured on 2026-11-28), Cayley-Adam now
+  (the defaults: eager and matrix by matrix on the CPU; on a GPU a dense buffer per bucket, captured as a CUDA graph)
+  and each of its implementations forced, eager and on a GPU captured, the step's two essential matmuls alone: the
+  Gram matrix [B, m]ᵀ[B, m] and the update [B, m]·C of every shape bucket (about 16·r flops per entry), and the Gram
+  matrices alone, one product per matrix and summed from blocks of rows as the staged step forms them;
 - kernel-running aten ops per step that the host dispatches, counted with a dispatch mode (views and other
   metadata-only ops are not kernels; a replayed CUDA graph's kernels are not dispatched), and on a GPU the CUDA
   kernels per step that the profiler records;
@@ -54,6 +56,7 @@ from reference_cayley_adam import ReferenceCayleyAdam  # noqa: E402
 from fora_plugin import CayleyAdam  # noqa: E402
 from fora_plugin.adapter import expert_blocks  # noqa: E402
 from fora_plugin.optim import GRAPH_WARMUP_STEPS, IMPLEMENTATIONS  # noqa: E402
+from fora_plugin.optim.cayley_adam import gram_by_row_blocks  # noqa: E402
 from fora_plugin.stiefel import orthogonality_error, random_stiefel  # noqa: E402
 
 
@@ -71,16 +74,26 @@ DEVICE = torch.device("cpu")
 STACKED_REV = "42ed290"
 # The last revision whose Cayley-Adam copied [B, m] of each shape bucket into one buffer (before the three-phase step).
 PREVIOUS_REV = "c19dc8c"
-OLDER: dict[str, type] = {}  # label -> CayleyAdam of an older revision, where git can give it
+# The last revision whose staged step gathered [B, m] again in phase 3 and formed each Gram matrix in one product
+# (the step the H100 measured on 2026-11-28, bench/results/h100-2026-11-28).
+STAGED_REV = "87eab16"
+# label -> (CayleyAdam of an older revision, its keyword arguments), where git can give it
+OLDER: dict[str, tuple[type, dict]] = {}
 
 
-def load_older(stacked_rev: str, previous_rev: str) -> None:
-    """:data:`OLDER`'s rows: the stacked-views step and the previous step, from git (none where git cannot)."""
+def load_older(stacked_rev: str, previous_rev: str, staged_rev: str = "") -> None:
+    """:data:`OLDER`'s rows: the stacked-views step, the previous step and the staged step before its buffer lived
+    from phase 1 to phase 3 (forced staged, captured on a GPU as today's default), from git (none where git cannot)."""
     OLDER.clear()
-    for label, rev in (("CayleyAdam stacked views", stacked_rev), ("CayleyAdam, a buffer per bucket", previous_rev)):
+    rows = (
+        ("CayleyAdam stacked views", stacked_rev, {}),
+        ("CayleyAdam, a buffer per bucket", previous_rev, {}),
+        ("CayleyAdam staged, gathered twice", staged_rev, {"implementation": "staged"}),
+    )
+    for label, rev, options in rows:
         package = package_at(rev) if rev else None
         if package is not None:
-            OLDER[f"{label} ({rev})"] = package.CayleyAdam
+            OLDER[f"{label} ({rev})"] = (package.CayleyAdam, options)
         elif rev:
             print(f"(no row for {label}: git cannot give revision {rev} here)")
 
@@ -133,6 +146,23 @@ def essential_matmuls(d_outs: dict[int, int], r: int, experts: int):
             torch.bmm(P, C, out=Q)  # [B, m]·C
 
     return run
+
+
+def gram_products(d_outs: dict[int, int], r: int, experts: int) -> dict[str, callable]:
+    """The staged step's Gram matrices [B, m]ᵀ[B, m] of every shape bucket alone, two ways: one product per matrix
+    (what the essential matmuls run), and summed from blocks of rows (the step's ``gram_by_row_blocks``)."""
+    gen = torch.Generator().manual_seed(2)
+    buffers = [torch.randn(count * experts, d_out, 2 * r, generator=gen).to(DEVICE) for d_out, count in d_outs.items()]
+
+    def whole():
+        for P in buffers:
+            torch.bmm(P.mT, P)
+
+    def blocks():
+        for P in buffers:
+            gram_by_row_blocks(P)
+
+    return {"Gram matrices alone, one product per matrix": whole, "Gram matrices alone, blocks of rows": blocks}
 
 
 _WRITE_ONLY = {"copy_", "_foreach_copy_", "fill_", "zero_", "_foreach_zero_"}
@@ -223,7 +253,10 @@ def bench_set(name: str, d_outs: dict[int, int], r: int, experts: int, rounds: i
         "CayleyAdam before the stacks (old step)": ReferenceCayleyAdam(
             [{"params": lora_b_set(d_outs, r, experts), **group}]
         ),
-        **{label: older([{"params": lora_b_set(d_outs, r, experts), **group}]) for label, older in OLDER.items()},
+        **{
+            label: older([{"params": lora_b_set(d_outs, r, experts), **group}], **options)
+            for label, (older, options) in OLDER.items()
+        },
         "CayleyAdam now": CayleyAdam([{"params": lora_b_set(d_outs, r, experts), **group}]),
     }
     # Each implementation forced, eager and (on a GPU) captured; "CayleyAdam now" takes the defaults (on a GPU the
@@ -239,6 +272,7 @@ def bench_set(name: str, d_outs: dict[int, int], r: int, experts: int, rounds: i
             )
     candidates = {label: opt.step for label, opt in optimizers.items()}
     candidates["essential matmuls alone"] = essential_matmuls(d_outs, r, experts)
+    candidates.update(gram_products(d_outs, r, experts))
     for label, run in list(candidates.items()):  # warm-up: state made, stacks built, the captured step captured
         try:
             for _ in range(GRAPH_WARMUP_STEPS + 1):
@@ -388,10 +422,15 @@ def main() -> None:
         default=PREVIOUS_REV,
         help=f"git revision of the step with a buffer per bucket (default: {PREVIOUS_REV}; '' for none)",
     )
+    parser.add_argument(
+        "--staged-rev",
+        default=STAGED_REV,
+        help=f"git revision of the staged step that gathered twice (default: {STAGED_REV}; '' for none)",
+    )
     parser.add_argument("--capture-check", action="store_true", help="the captured step against the eager (CUDA)")
     args = parser.parse_args()
     DEVICE = torch.device(args.device)
-    load_older(args.stacked_rev, args.previous_rev)
+    load_older(args.stacked_rev, args.previous_rev, args.staged_rev)
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     print(
         f"device {DEVICE}, CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, threads "

@@ -539,12 +539,14 @@ class ForeachCopies(torch.utils._python_dispatch.TorchDispatchMode):
         super().__init__()
         self.ops: list[str] = []
         self.slow_pairs: list[tuple] = []
+        self.matrix_copies = 0  # multi-tensor copies of matrices (not of per-matrix scalars)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if not func.is_view:
             self.ops.append(name)
         if name == "_foreach_copy_":
+            self.matrix_copies += args[0][0].dim() == 2
             for dst, src in zip(args[0], args[1]):
                 fast = (
                     dst.shape == src.shape
@@ -621,19 +623,20 @@ def test_the_copies_in_and_out_are_a_few_multi_tensor_kernels_whatever_the_numbe
     """On a GPU the step is bound by the host issuing kernels (docs/gpu.md): a strided copy per matrix would take
     hundreds of launches a step. Staged (as on an accelerator), each list copy must be one that CUDA runs as one
     multi-tensor kernel, and the ops of a step must not grow with the number of matrices in a bucket; both ways (the
-    CPU steps matrix by matrix), the step must give the same parameters and state, to fp32 rounding."""
+    CPU steps matrix by matrix), the step must give the same parameters and state, to fp32 rounding. 192 rows: the
+    staged step sums its Gram matrices from 3 blocks of 64 rows (gram_by_row_blocks)."""
     gen = torch.Generator().manual_seed(60)
 
     def one_step(count: int) -> ForeachCopies:
         if kind == "experts":
             params = [
-                torch.nn.Parameter(interleave([random_stiefel(24, 2, generator=gen) for _ in range(3)]))
+                torch.nn.Parameter(interleave([random_stiefel(192, 2, generator=gen) for _ in range(3)]))
                 for _ in range(count)
             ]
             opt = CayleyAdam([{"params": params, "num_experts": 3}], lr=0.02)
         else:
             dtype = torch.bfloat16 if kind == "bf16" else torch.float32
-            params = stiefel_params([(24, 4)] * count, seed=61, dtype=dtype)
+            params = stiefel_params([(192, 4)] * count, seed=61, dtype=dtype)
             opt = CayleyAdam(params, lr=0.02)
         set_random_grads(params, gen)
         opt.step()  # the state is made
@@ -647,6 +650,12 @@ def test_the_copies_in_and_out_are_a_few_multi_tensor_kernels_whatever_the_numbe
     if staged:
         assert many.slow_pairs == []
         assert sorted(many.ops) == sorted(few.ops)
+        # The bucket crosses between the matrices' own storage and the step's buffers once each way: the gradients, B
+        # and m in, B and m out (and a bf16 lora_B its master's value). Whole-bucket copies beside them: B and m into
+        # the halves of [B, m], each half into its update's output, and the experts' blocks out of the stage (they are
+        # strided in their lora_B).
+        assert many.matrix_copies == 5 + (kind == "bf16")
+        assert many.ops.count("copy_") == (6 if kind == "experts" else 4)
     # The same step the other way, from the same point, state and gradients: the same result.
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     other = CayleyAdam(twins, lr=0.02) if kind != "experts" else CayleyAdam([{"params": twins, "num_experts": 3}])
@@ -661,6 +670,36 @@ def test_the_copies_in_and_out_are_a_few_multi_tensor_kernels_whatever_the_numbe
                 torch.testing.assert_close(other.state[q][key], opt.state[p][key], rtol=0, atol=1e-6)
         ulp = torch.finfo(p.dtype).eps  # a bf16 master within 1e-6 rounds to the same value or to a neighbour
         torch.testing.assert_close(q, p, rtol=ulp, atol=1e-6)
+
+
+class BatchedProducts(torch.utils._python_dispatch.TorchDispatchMode):
+    """The operand shapes of each batched matrix product run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.baddbmm):
+            self.shapes.append(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "d, rows",
+    [(24, 24), (100, 100), (512, 512), (192, 64), (1024, 512), (3072, 512), (14336, 512), (11008, 256)],
+)
+def test_the_staged_gram_matrices_are_summed_from_blocks_of_rows(d, rows):
+    """The staged step's PᵀP is the sum of the products of P's blocks of rows (the largest power of two dividing d,
+    up to 512; all d rows where that is under 64 or is d): the blocks are those, and the sum is the product of the
+    whole matrices (fp64, against an einsum over all rows)."""
+    from fora_plugin.optim.cayley_adam import gram_by_row_blocks
+
+    P = torch.randn(3, d, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    with BatchedProducts() as products:
+        gram = gram_by_row_blocks(P)
+    assert products.shapes == [((3 * (d // rows), 8, rows), (3 * (d // rows), rows, 8))]
+    torch.testing.assert_close(gram, torch.einsum("ndi,ndj->nij", P, P), rtol=1e-12, atol=1e-12)
 
 
 def test_the_step_follows_the_old_step():

@@ -778,7 +778,10 @@ def cayley_adam(
     for index, p in enumerate(params):
         buckets[bucket_key(p)].append(index)
     by_rank: dict[tuple, list[list[int]]] = defaultdict(list)
-    for key, indices in buckets.items():
+    # Smallest bucket first (by whole-matrix size, which every rank sees alike): the staged step keeps each bucket's
+    # buffer from its phase 1 to its phase 3, which frees it, so beside a bucket's phase-3 scratch only its own and
+    # the larger buckets' buffers are alive.
+    for key, indices in sorted(buckets.items(), key=lambda item: math.prod(item[0][0]) * len(item[1])):
         by_rank[(key[0][1] // num_experts, *key[1:3])].append(indices)
     lists = (params, local_grads, masters, exp_avgs, exp_avg_sqs, state_steps, skipped_steps, reprojections)
     for rank_buckets in by_rank.values():
@@ -813,7 +816,7 @@ def _rank_step(buckets: list[list[list]], settings: _Settings, cache: dict, impl
     constants = _Constants.cached(cache, first[0], (settings.beta1, settings.beta2), E)
     implementation = resolve_implementation(implementation, device)
     measure, update = _PHASES[implementation]
-    # Phase 1, a bucket at a time: only one bucket's scratch is alive at once.
+    # Phase 1, a bucket at a time: only one bucket's scratch is alive at once, beside what each hands to phase 3.
     measured = [measure(*bucket[:4], settings, constants) for bucket in buckets]
     grams = [m[0] for m in measured]
     grad_sqs = [m[1] for m in measured]
@@ -996,23 +999,30 @@ def _measure_staged(
     settings: _Settings,
     constants: _Constants,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor | None]]:
-    """Phase 1 for one bucket through a dense (n, d, 2r) buffer [B, m]: as :func:`_measure_per_matrix`."""
+    """Phase 1 for one bucket through a dense (n, d, 2r) buffer [B, m]: as :func:`_measure_per_matrix`.
+
+    One (n, d, r) stage beside the buffer: the gradients are copied into it and moved into the first moments from
+    there, in the stage's own layout (a fused-MoE one's expert blocks are a strided view of it), then it stages B. The
+    buffer, its first moments moved, is handed to phase 3 as it is: gathered again there and the moments scattered
+    here, it would cost three more passes over the bucket, for a buffer that lives from phase 1 to phase 3 (every
+    bucket's: phase 2 needs every Gram matrix first; :func:`_rank_step` takes the buckets smallest first, so that
+    what is alive at once stays near what those passes' buffers took)."""
     E = settings.num_experts
     points, moments = _points(params, masters), [local_rows(t) for t in exp_avgs]
     dtype, device = moments[0].dtype, moments[0].device
     n, d, r = len(params) * E, points[0].shape[0], points[0].shape[1] // E
     P = torch.empty((n, d, 2 * r), dtype=dtype, device=device)  # [B, m]
-    G = torch.empty((n, d, r), dtype=dtype, device=device)
     stage = torch.empty(n * d * r, dtype=dtype, device=device)
-    _gather(G, grads, stage, E)  # in the compute dtype
-    _finite_gradient(G)
-    norm = torch.linalg.vector_norm(G.view(n, -1), dim=-1)  # (n,): its square is inf if any entry of G was not finite
-    _gather(P[..., :r], points, stage, E)
-    _gather(P[..., r:], moments, stage, E)
-    old_moments = P[..., r:].clone() if reduce_groups(params[0]) else None
-    P[..., r:].lerp_(G, _lerp_weights(norm[:, None, None], constants))  # m_{t+1}
-    _scatter(moments, P[..., r:], stage, E)
-    return P.mT @ P, norm.square(), {"old_moments": old_moments}  # [[BᵀB, Bᵀm], [mᵀB, mᵀm]]
+    _gather(P[..., r:], moments, stage, E)  # m_t
+    slots, G = _staged(stage, grads, E)  # G (count, E, d, r): the stage in the order of P's expert blocks
+    torch._foreach_copy_(slots, grads)  # in the compute dtype
+    _finite_gradient(stage)
+    norm = torch.linalg.vector_norm(G, dim=(-2, -1)).view(n)  # its square is inf if any entry of G was not finite
+    moved = P[..., r:].unflatten(0, G.shape[:2])  # (count, E, d, r)
+    old_moments = moved.clone().flatten(0, 1) if reduce_groups(params[0]) else None
+    moved.lerp_(G, _lerp_weights(norm.view(*G.shape[:2], 1, 1), constants))  # m_{t+1}
+    _gather(P[..., :r], points, stage, E)  # B_t
+    return gram_by_row_blocks(P), norm.square(), {"old_moments": old_moments, "points_and_moments": P}
 
 
 def _update_staged(
@@ -1025,20 +1035,40 @@ def _update_staged(
     E: int,
     dtype: torch.dtype,
 ) -> None:
-    """Phase 3 for one bucket through a dense (n, d, 2r) buffer: as :func:`_update_per_matrix`."""
-    old_moments = carried["old_moments"]
+    """Phase 3 for one bucket through phase 1's dense (n, d, 2r) buffer, which it frees: as
+    :func:`_update_per_matrix`. B_{t+1} and then m_{t+1} are formed in one dense (n, d, r) buffer, each copied out
+    from there (a plain lora_B's in one multi-tensor copy): a half of [B, m] at a time beside [B, m]."""
+    P, old_moments = carried.pop("points_and_moments"), carried["old_moments"]  # P (n, d, 2r)
     points, moments = _points(params, masters), [local_rows(t) for t in exp_avgs]
-    n, d, r = delta.shape[0], points[0].shape[0], points[0].shape[1] // E
-    P = torch.empty((n, d, 2 * r), dtype=dtype, device=delta.device)
-    stage = torch.empty(n * d * r, dtype=dtype, device=delta.device)
-    _gather(P[..., :r], points, stage, E)
-    _gather(P[..., r:], moments, stage, E)
-    Q = torch.baddbmm(P, P, delta)  # [B_{t+1}, m_{t+1}] = [B, m] + [B, m] Δ
+    n, d, r = P.shape[0], P.shape[1], delta.shape[-1] // 2
+    half = torch.empty((n, d, r), dtype=dtype, device=delta.device)
+    stage = torch.empty(n * d * r, dtype=dtype, device=delta.device) if E > 1 else None
+    torch.baddbmm(P[..., :r], P, delta[..., :r], out=half)  # B_{t+1} = B + [B, m] Δ[:, :r]
+    _scatter(points, half, stage, E)
+    torch.baddbmm(P[..., r:], P, delta[..., r:], out=half)  # m_{t+1} = m + [B, m] Δ[:, r:]
     if old_moments is not None:  # a matrix skipped on another rank's rows keeps m_t
-        Q[..., r:].copy_(torch.where(finite[:, None, None], Q[..., r:], old_moments))
-    _scatter(points, Q[..., :r], stage, E)
-    _scatter(moments, Q[..., r:], stage, E)
+        torch.where(finite[:, None, None], half, old_moments, out=half)
+    _scatter(moments, half, stage, E)
     _store_masters(params, masters)
+
+
+# Rows of each partial product of the staged step's Gram matrices (:func:`gram_by_row_blocks`). One (2r x d)·(d x 2r)
+# product per matrix gives a GPU a few thread blocks per matrix, each running down all d rows: on the H100 of
+# bench/results/h100-2026-11-28, the 3B set's step ran such an fp32 GEMM at 100 µs a call on average, where one read of
+# its largest bucket takes about 9 µs. Blocks of rows give every multiprocessor work, for a sum over partials.
+GRAM_ROW_BLOCK = 512
+
+
+def gram_by_row_blocks(P: torch.Tensor) -> torch.Tensor:
+    """PᵀP (n, c, c) of a dense P (n, d, c), summed from the Gram matrices of P's blocks of rows: the largest power of
+    two dividing d, up to :data:`GRAM_ROW_BLOCK` rows; all d rows at once where that is under 64 rows (so few rows a
+    block cost more in partial sums than they give)."""
+    n, d, c = P.shape
+    rows = math.gcd(d, GRAM_ROW_BLOCK)
+    if rows == d or rows < 64:
+        return P.mT @ P
+    blocks = P.view(n * (d // rows), rows, c)  # (n·k, rows, c)
+    return (blocks.mT @ blocks).view(n, d // rows, c, c).sum(1)
 
 
 # implementation -> (phase 1, phase 3)
@@ -1152,8 +1182,9 @@ def _gather(blocks: torch.Tensor, tensors: list[torch.Tensor], stage: torch.Tens
     blocks.unflatten(0, staged.shape[:2]).copy_(staged)
 
 
-def _scatter(tensors: list[torch.Tensor], blocks: torch.Tensor, stage: torch.Tensor, num_experts: int) -> None:
-    """The inverse of :func:`_gather`: each (d, r·E) tensor takes its E blocks of ``blocks`` (n, d, r)."""
+def _scatter(tensors: list[torch.Tensor], blocks: torch.Tensor, stage: torch.Tensor | None, num_experts: int) -> None:
+    """The inverse of :func:`_gather`: each (d, r·E) tensor takes its E blocks of ``blocks`` (n, d, r); ``stage`` may
+    be None where ``blocks`` is dense and E is 1 (no stage is used)."""
     if num_experts == 1 and blocks.is_contiguous():
         torch._foreach_copy_(tensors, list(blocks.unbind(0)))
         return
