@@ -642,8 +642,9 @@ def test_the_copies_in_and_out_are_a_few_multi_tensor_kernels_whatever_the_numbe
         opt.step()  # the state is made
         set_random_grads(params, gen)
         copies_forced(opt, staged)
-        with ForeachCopies() as copies:
+        with ForeachCopies() as copies, BatchedProducts() as products:
             opt.step()
+        copies.products = products.shapes
         return copies, params, opt
 
     (few, *_), (many, params, opt) = one_step(2), one_step(9)
@@ -656,6 +657,8 @@ def test_the_copies_in_and_out_are_a_few_multi_tensor_kernels_whatever_the_numbe
         # strided in their lora_B).
         assert many.matrix_copies == 5 + (kind == "bf16")
         assert many.ops.count("copy_") == (6 if kind == "experts" else 4)
+        r, n = (2, 27) if kind == "experts" else (4, 9)  # 9 lora_B of 3 experts: 27 matrices
+        assert ((3 * n, 2 * r, 64), (3 * n, 64, 2 * r)) in many.products  # each Gram matrix from 3 blocks of rows
     # The same step the other way, from the same point, state and gradients: the same result.
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     other = CayleyAdam(twins, lr=0.02) if kind != "experts" else CayleyAdam([{"params": twins, "num_experts": 3}])
@@ -686,19 +689,31 @@ class BatchedProducts(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize(
-    "d, rows",
-    [(24, 24), (100, 100), (512, 512), (192, 64), (1024, 512), (3072, 512), (14336, 512), (11008, 256)],
+    "d, c, rows",
+    [
+        (24, 8, 24),
+        (100, 8, 100),
+        (512, 8, 512),
+        (192, 8, 64),
+        (1024, 8, 512),
+        (3072, 8, 512),
+        (14336, 8, 512),
+        (11008, 8, 256),
+        (1366, 8, 1366),  # an FSDP2 shard of 4096 rows over 3 ranks: no block of 64 rows divides it
+        (4096, 256, 1024),  # r = 128: blocks of 4·2r rows, so the partial sums stay a quarter of P
+        (768, 256, 768),
+    ],
 )
-def test_the_staged_gram_matrices_are_summed_from_blocks_of_rows(d, rows):
+def test_the_staged_gram_matrices_are_summed_from_blocks_of_rows(d, c, rows):
     """The staged step's PᵀP is the sum of the products of P's blocks of rows (the largest power of two dividing d,
-    up to 512; all d rows where that is under 64 or is d): the blocks are those, and the sum is the product of the
-    whole matrices (fp64, against an einsum over all rows)."""
+    up to 512 or 4c; all d rows where that is under 64 or 4c, or is d): the blocks are those, and the sum is the
+    product of the whole matrices (fp64, against an einsum over all rows)."""
     from fora_plugin.optim.cayley_adam import gram_by_row_blocks
 
-    P = torch.randn(3, d, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    P = torch.randn(3, d, c, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     with BatchedProducts() as products:
         gram = gram_by_row_blocks(P)
-    assert products.shapes == [((3 * (d // rows), 8, rows), (3 * (d // rows), rows, 8))]
+    assert products.shapes == [((3 * (d // rows), c, rows), (3 * (d // rows), rows, c))]
     torch.testing.assert_close(gram, torch.einsum("ndi,ndj->nij", P, P), rtol=1e-12, atol=1e-12)
 
 

@@ -74,8 +74,9 @@ def test_cholesky_qr_refuses_dependent_columns():
 # ---- CayleyAdam on DTensors, 3 processes --------------------------------------------------------------------------
 
 WORLD = 3
-# (d, r·E, E, dtype): rows over 3 ranks by torch.chunk: 4 -> 2/2/0, 7 -> 3/3/1, 9 -> 3/3/3; fp32 for the master path.
-SHAPES = [(4, 2, 1, F64), (7, 3, 1, F64), (7, 3, 1, F64), (9, 6, 2, F64), (9, 2, 1, torch.float32)]
+# (d, r·E, E, dtype): rows over 3 ranks by torch.chunk: 4 -> 2/2/0, 7 -> 3/3/1, 9 -> 3/3/3, 958 -> 320/320/318 (the
+# staged step sums 320 rows' Gram matrices from 5 blocks of 64, 318 rows' in one product); fp32 for the master path.
+SHAPES = [(4, 2, 1, F64), (7, 3, 1, F64), (7, 3, 1, F64), (9, 6, 2, F64), (9, 2, 1, torch.float32), (958, 4, 1, F64)]
 STEPS = 5
 NAN_STEP, NAN_PARAM, NAN_ROW = 2, 1, 4  # row 4 of a 7-row matrix lives on rank 1 only
 
@@ -99,15 +100,19 @@ def _gradients(step: int) -> list[torch.Tensor]:
     return grads
 
 
-def _optimizer(params: list[torch.Tensor]) -> CayleyAdam:
+def _optimizer(params: list[torch.Tensor], implementation: str | None = None) -> CayleyAdam:
     plain = [p for p, (_, _, e, _) in zip(params, SHAPES) if e == 1]
     experts = [p for p, (_, _, e, _) in zip(params, SHAPES) if e == 2]
     return CayleyAdam(
-        [{"params": plain}, {"params": experts, "num_experts": 2}], lr=0.05, qr_period=3, reproject_threshold=1e-2
+        [{"params": plain}, {"params": experts, "num_experts": 2}],
+        lr=0.05,
+        qr_period=3,
+        reproject_threshold=1e-2,
+        implementation=implementation,
     )
 
 
-def _dtensor_worker(rank: int, port: int, out: str) -> None:
+def _dtensor_worker(rank: int, port: int, out: str, implementation: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -118,7 +123,7 @@ def _dtensor_worker(rank: int, port: int, out: str) -> None:
         # As accelerate does under FSDP2: the optimizer is built on plain parameters, then its groups get the
         # sharded ones. Nothing may be cached by identity in between.
         params = [torch.nn.Parameter(x.clone()) for x in _initial_points()]
-        opt = _optimizer(params)
+        opt = _optimizer(params, implementation)
         sharded = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in params]
         by_id = {id(p): s for p, s in zip(params, sharded)}
         for group in opt.param_groups:
@@ -131,7 +136,7 @@ def _dtensor_worker(rank: int, port: int, out: str) -> None:
         resumed_params = [
             torch.nn.Parameter(distribute_tensor(s.detach().full_tensor(), mesh, [Shard(0)])) for s in sharded
         ]
-        resumed = _optimizer(resumed_params)
+        resumed = _optimizer(resumed_params, implementation)
         resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
         for s, q, g in zip(sharded, resumed_params, _gradients(STEPS)):
             s.grad = distribute_tensor(g, mesh, [Shard(0)])
@@ -167,8 +172,11 @@ def _free_port() -> int:
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
-def test_cayley_adam_on_row_sharded_dtensors_equals_the_whole_matrix_run(tmp_path):
-    mp.spawn(_dtensor_worker, args=(_free_port(), str(tmp_path / "result")), nprocs=WORLD, join=True)
+@pytest.mark.parametrize("implementation", ["per_matrix", "staged"])
+def test_cayley_adam_on_row_sharded_dtensors_equals_the_whole_matrix_run(tmp_path, implementation):
+    """Each implementation on row shards (the staged one is a GPU's default) against the whole matrices stepped
+    matrix by matrix."""
+    mp.spawn(_dtensor_worker, args=(_free_port(), str(tmp_path / "result"), implementation), nprocs=WORLD, join=True)
     results = [torch.load(f"{tmp_path / 'result'}.{rank}", weights_only=False) for rank in range(WORLD)]
 
     params = [torch.nn.Parameter(x.clone()) for x in _initial_points()]
@@ -178,7 +186,7 @@ def test_cayley_adam_on_row_sharded_dtensors_equals_the_whole_matrix_run(tmp_pat
             p.grad = g
         reference.step()
 
-    assert [r["local_rows"] for r in results] == [[2, 3, 3, 3, 3], [2, 3, 3, 3, 3], [0, 1, 1, 3, 3]]
+    assert [r["local_rows"] for r in results] == [[2, 3, 3, 3, 3, 320], [2, 3, 3, 3, 3, 320], [0, 1, 1, 3, 3, 318]]
     for result in results:  # every rank holds the same whole matrices
         assert result["exp_avg_is_sharded"] and result["scalars_are_plain"] and result["resumed_equal"]
         for p, got, m_got, (_, _, _, dtype) in zip(params, result["params"], result["exp_avg"], SHAPES):

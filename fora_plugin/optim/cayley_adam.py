@@ -48,6 +48,8 @@ __all__ = [
     "counter_sums",
     "counter_totals",
     "default_cuda_graph",
+    "GRAM_ROW_BLOCK",
+    "gram_by_row_blocks",
     "init_cayley_adam_state",
     "resolve_cuda_graph",
     "resolve_implementation",
@@ -780,7 +782,9 @@ def cayley_adam(
     by_rank: dict[tuple, list[list[int]]] = defaultdict(list)
     # Smallest bucket first (by whole-matrix size, which every rank sees alike): the staged step keeps each bucket's
     # buffer from its phase 1 to its phase 3, which frees it, so beside a bucket's phase-3 scratch only its own and
-    # the larger buckets' buffers are alive.
+    # the larger buckets' buffers are alive. The step's peak is then at most what it was with a buffer for one bucket
+    # at a time wherever the largest bucket holds half of the entries or more (the LLaMA and Qwen3-MoE sets of
+    # bench/optimizer.py); buckets of about one size keep more (three of one size: about 1.6x).
     for key, indices in sorted(buckets.items(), key=lambda item: math.prod(item[0][0]) * len(item[1])):
         by_rank[(key[0][1] // num_experts, *key[1:3])].append(indices)
     lists = (params, local_grads, masters, exp_avgs, exp_avg_sqs, state_steps, skipped_steps, reprojections)
@@ -1005,8 +1009,7 @@ def _measure_staged(
     there, in the stage's own layout (a fused-MoE one's expert blocks are a strided view of it), then it stages B. The
     buffer, its first moments moved, is handed to phase 3 as it is: gathered again there and the moments scattered
     here, it would cost three more passes over the bucket, for a buffer that lives from phase 1 to phase 3 (every
-    bucket's: phase 2 needs every Gram matrix first; :func:`_rank_step` takes the buckets smallest first, so that
-    what is alive at once stays near what those passes' buffers took)."""
+    bucket's: phase 2 needs every Gram matrix first; :func:`_rank_step` takes the buckets smallest first)."""
     E = settings.num_experts
     points, moments = _points(params, masters), [local_rows(t) for t in exp_avgs]
     dtype, device = moments[0].dtype, moments[0].device
@@ -1037,7 +1040,8 @@ def _update_staged(
 ) -> None:
     """Phase 3 for one bucket through phase 1's dense (n, d, 2r) buffer, which it frees: as
     :func:`_update_per_matrix`. B_{t+1} and then m_{t+1} are formed in one dense (n, d, r) buffer, each copied out
-    from there (a plain lora_B's in one multi-tensor copy): a half of [B, m] at a time beside [B, m]."""
+    from there: a plain lora_B's in one multi-tensor copy, a fused-MoE one's through a stage of that size (its expert
+    blocks are strided in the lora_B)."""
     P, old_moments = carried.pop("points_and_moments"), carried["old_moments"]  # P (n, d, 2r)
     points, moments = _points(params, masters), [local_rows(t) for t in exp_avgs]
     n, d, r = P.shape[0], P.shape[1], delta.shape[-1] // 2
@@ -1052,20 +1056,23 @@ def _update_staged(
     _store_masters(params, masters)
 
 
-# Rows of each partial product of the staged step's Gram matrices (:func:`gram_by_row_blocks`). One (2r x d)·(d x 2r)
+# Rows of each partial product of the staged step's Gram matrices (:func:`gram_by_row_blocks`), at most (or 4·2r,
+# where that is more: the partial sums then hold at most a quarter of the buffer's words). One (2r x d)·(d x 2r)
 # product per matrix gives a GPU a few thread blocks per matrix, each running down all d rows: on the H100 of
-# bench/results/h100-2026-11-28, the 3B set's step ran such an fp32 GEMM at 100 µs a call on average, where one read of
-# its largest bucket takes about 9 µs. Blocks of rows give every multiprocessor work, for a sum over partials.
+# bench/results/h100-2026-11-28 the 3B set's eager step ran 4 fp32 GEMMs a step of that kind, 3 of them its Gram
+# products, at 100 µs a call on average, where one read of its largest bucket takes about 9 µs. Blocks of rows give
+# every multiprocessor work, for one more small sum.
 GRAM_ROW_BLOCK = 512
 
 
 def gram_by_row_blocks(P: torch.Tensor) -> torch.Tensor:
     """PᵀP (n, c, c) of a dense P (n, d, c), summed from the Gram matrices of P's blocks of rows: the largest power of
-    two dividing d, up to :data:`GRAM_ROW_BLOCK` rows; all d rows at once where that is under 64 rows (so few rows a
-    block cost more in partial sums than they give)."""
+    two dividing d, up to :data:`GRAM_ROW_BLOCK` rows (4c where that is more). All d rows at once where that block is
+    under 64 or 4c rows: such blocks cost more in partial sums than they give. A row count with no such divisor (an
+    FSDP2 shard of 4096 rows over 3 ranks has 1366) gets one product per matrix."""
     n, d, c = P.shape
-    rows = math.gcd(d, GRAM_ROW_BLOCK)
-    if rows == d or rows < 64:
+    rows = math.gcd(d, max(GRAM_ROW_BLOCK, 4 * c))
+    if rows == d or rows < max(64, 4 * c):
         return P.mT @ P
     blocks = P.view(n * (d // rows), rows, c)  # (n·k, rows, c)
     return (blocks.mT @ blocks).view(n, d // rows, c, c).sum(1)
