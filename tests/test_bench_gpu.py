@@ -232,14 +232,16 @@ def test_engine_runs_of_an_earlier_gpu_run_are_planned_here_beside_their_memory(
 def test_the_default_call_starts_the_engines_where_the_h100_call_did():
     """On the H100 (2026-11-28, call1-all-sections.log) engines started 165 s into the default call: the section,
     which stops between its launches, must start there again; with the documented --budget 460 its launches must
-    reach the gloo row, after the single-process runs and four launches (37 + 147 s, about 190 s with the setup)."""
+    reach the gloo row, after the single-process runs and four launches (37 + 147 s, about 190 s with the setup); the
+    optimizer section's estimate has grown since by the rows added, and the engines start later by as much."""
     gpu = gpu_module()
     sys.path.insert(0, str(REPO / "bench"))
     import engines
 
-    left = gpu.DEFAULT_BUDGET_S["cuda"] - 165
+    started = 165 + gpu.ESTIMATES["optimizer"].seconds - 60  # later by what the optimizer section gained since
+    left = gpu.DEFAULT_BUDGET_S["cuda"] - started
     assert gpu.ESTIMATES["engines"].start <= left
-    launches_until = min(engines.BUDGET_S["cuda"], 460 - 165 - gpu.ENGINES_MARGIN_S - engines.overrun_s("cuda"))
+    launches_until = min(engines.BUDGET_S["cuda"], 460 - started - gpu.ENGINES_MARGIN_S - engines.overrun_s("cuda"))
     assert launches_until > 190
 
 
