@@ -112,7 +112,7 @@ ESTIMATES = {
         65,
         65,
         "58.4 s on the H100 (2026-11-28): each implementation eager and captured; 5 s more (a guess) for the rows "
-        "added since: the staged step of 87eab16 and the Gram products beside each set's",
+        "added since: the staged step of 87eab16, the Gram products beside each set's and the phase profile",
     ),
     "host_syncs": Estimate(15, 15, "13.1 s on the H100 (2026-11-28): two trainers (captured, eager) and a profile"),
     "step_time": Estimate(100, ROW_S, "10 rows, 93-109 s on the H100"),
@@ -1211,6 +1211,11 @@ def section_optimizer(ctx: Run) -> dict[str, Any]:
     text = buffer.getvalue()
     profiled, d_outs, r, experts = ctx.scale.profiled_set
     profile = optimizer_bench.profile_step(d_outs, r, experts)
+    try:
+        phases = optimizer_bench.profile_phases(d_outs, r, experts)
+        phases_text = optimizer_bench.phases_table(phases)
+    except Exception as error:  # noqa: BLE001  (a profiler that cannot trace here loses only this table)
+        phases, phases_text = {"error": f"{type(error).__name__}: {error}"}, f"(phases not profiled: {error})"
     sets: dict[str, dict[str, dict[str, float]]] = {}
     current, in_rows = None, False
     for line in text.splitlines():
@@ -1290,6 +1295,10 @@ def section_optimizer(ctx: Run) -> dict[str, Any]:
         "```",
         profile,
         "```",
+        "",
+        f"The same step by phase, {profiled} (3 steps; the host under Python tracing):",
+        "",
+        phases_text,
     ]
     return {
         "sets": sets,
@@ -1298,6 +1307,7 @@ def section_optimizer(ctx: Run) -> dict[str, Any]:
         "capture": ctx.capture,
         "captured_against_eager_real_scale": real_scale,
         "profile": profile,
+        "phases": phases,
         "text": "\n".join(lines),
     }
 

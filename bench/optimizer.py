@@ -363,6 +363,73 @@ def profile_step(d_outs: dict[int, int], r: int, experts: int, steps: int = 3, r
     return profiler.key_averages().table(sort_by=key, row_limit=rows)
 
 
+# The step's phases, by the functions that run them (fora_plugin/optim/cayley_adam.py), either implementation.
+PHASES = {
+    "_measure_staged": "1: moments and Gram matrices",
+    "_measure_per_matrix": "1: moments and Gram matrices",
+    "_cayley_adam_deltas": "2: the 2r x 2r algebra",
+    "_update_staged": "3: the update",
+    "_update_per_matrix": "3: the update",
+}
+
+
+def _phase_of(event) -> str:
+    """The phase whose function ``event`` (a profiler event) ran under; "rest of the step" outside them."""
+    while event is not None:
+        name = event.name.rsplit(": ", 1)[-1]  # a Python function's event is named "file.py(line): function"
+        if name in PHASES:
+            return PHASES[name]
+        event = event.cpu_parent
+    return "rest of the step"
+
+
+def profile_phases(d_outs: dict[int, int], r: int, experts: int, steps: int = 3) -> dict[str, dict[str, float]]:
+    """Where ``steps`` eager Cayley-Adam steps (the default implementation, the ops a capture replays) spend their
+    time, phase by phase: host ms a step in the phase's functions (under the profiler's Python tracing, which slows
+    the host) and, on a GPU, the kernels a step each phase launches and their ms a step."""
+    optimizer = CayleyAdam([{"params": lora_b_set(d_outs, r, experts), "num_experts": experts}], cuda_graph=False)
+    for _ in range(GRAPH_WARMUP_STEPS + 1):  # the state made: not profiled
+        optimizer.step()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if DEVICE.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    synchronize()
+    with torch.profiler.profile(activities=activities, with_stack=True) as profiler:
+        for _ in range(steps):
+            optimizer.step()
+        synchronize()
+    return phase_times(profiler.events(), steps)
+
+
+def phase_times(events, steps: int) -> dict[str, dict[str, float]]:
+    """:func:`profile_phases`' table from a profiler's events (those of ``steps`` steps): each phase's functions'
+    host time, and the kernels (with their durations, µs) that the CPU events under them launched."""
+    phases = {name: {"host_ms": 0.0, "kernels": 0, "kernel_ms": 0.0} for name in [*dict.fromkeys(PHASES.values())]}
+    rest = phases["rest of the step"] = {"host_ms": 0.0, "kernels": 0, "kernel_ms": 0.0}
+    for event in events:
+        function = event.name.rsplit(": ", 1)[-1]
+        if event.name.startswith("Optimizer.step#"):  # torch's range around the whole step
+            rest["host_ms"] += event.cpu_time_total / 1e3 / steps
+        if function in PHASES:
+            phases[PHASES[function]]["host_ms"] += event.cpu_time_total / 1e3 / steps
+        if event.kernels:  # a CPU event that launched device kernels (the runtime call under an op)
+            phase = phases[_phase_of(event)]
+            phase["kernels"] += len(event.kernels) / steps
+            phase["kernel_ms"] += sum(k.duration for k in event.kernels) / 1e3 / steps
+    rest["host_ms"] -= sum(p["host_ms"] for name, p in phases.items() if name in PHASES.values())
+    return phases
+
+
+def phases_table(phases: dict[str, dict[str, float]]) -> str:
+    gpu = DEVICE.type == "cuda"
+    lines = ["| phase | host ms a step (traced) | kernels a step | kernel ms a step |", "|---|---:|---:|---:|"]
+    for name, p in phases.items():
+        host = f"{p['host_ms']:.2f}"
+        kernels, kernel_ms = (f"{p['kernels']:.0f}", f"{p['kernel_ms']:.3f}") if gpu else ("—", "—")
+        lines.append(f"| {name} | {host} | {kernels} | {kernel_ms} |")
+    return "\n".join(lines)
+
+
 def dense_reference_step(B: torch.Tensor, G: torch.Tensor, lr: float, iters: int = 5) -> torch.Tensor:
     """The reference implementation's shape of work: a d x d W and d x d products in the fixed-point solve."""
     W_hat = G @ B.T - 0.5 * B @ (B.T @ G @ B.T)  # (d, d)

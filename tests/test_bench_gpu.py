@@ -156,6 +156,9 @@ def test_scoring_syncs_optimizer_and_cli_sections_hold_their_measurements(report
     assert syncs["error_mode"].startswith("skipped: needs CUDA") and syncs["cuda_warn"] is None
     optimizer = sections["optimizer"]["sets"]
     assert optimizer and all(positive(t["CayleyAdam now"]["host_ms"]) for t in optimizer.values())
+    phases = sections["optimizer"]["phases"]
+    assert list(phases)[:3] == ["1: moments and Gram matrices", "2: the 2r x 2r algebra", "3: the update"]
+    assert all(positive(p["host_ms"]) for p in phases.values())
     cli = sections["cli_train"]
     assert cli["loss_fell"], cli["losses"]
     assert cli["adapted_layers"] == cli["chosen_layers"] and len(cli["chosen_layers"]) == 2
@@ -243,6 +246,39 @@ def test_the_default_call_starts_the_engines_where_the_h100_call_did():
     assert gpu.ESTIMATES["engines"].start <= left
     launches_until = min(engines.BUDGET_S["cuda"], 460 - started - gpu.ENGINES_MARGIN_S - engines.overrun_s("cuda"))
     assert launches_until > 190
+
+
+def test_phase_times_gives_each_phase_the_kernels_launched_under_its_functions():
+    """bench/optimizer.py's phase table, from stand-in profiler events: a CUDA runtime call under an op under a phase's
+    function gives that phase its kernels; one under no phase function gives them to the rest of the step."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO / "bench"))
+    sys.path.insert(0, str(REPO / "tests"))
+    import optimizer
+
+    def event(name, parent=None, cpu_us=0.0, kernels=()):
+        kernels = [SimpleNamespace(name="k", device=0, duration=d) for d in kernels]
+        return SimpleNamespace(name=name, cpu_parent=parent, cpu_time_total=cpu_us, kernels=kernels)
+
+    step = event("Optimizer.step#CayleyAdam.step", cpu_us=1000.0)
+    measure = event("fora_plugin/optim/cayley_adam.py(1000): _measure_staged", step, cpu_us=300.0)
+    algebra = event("fora_plugin/optim/cayley_adam.py(1100): _cayley_adam_deltas", step, cpu_us=400.0)
+    bmm = event("aten::bmm", measure)
+    events = [
+        step,
+        measure,
+        algebra,
+        bmm,
+        event("cudaLaunchKernel", bmm, kernels=[100.0, 20.0]),
+        event("cudaLaunchKernel", event("aten::linalg_lu_factor_ex", algebra), kernels=[50.0]),
+        event("cudaLaunchKernel", event("aten::_foreach_copy_", step), kernels=[10.0]),
+    ]
+    phases = optimizer.phase_times(events, steps=2)
+    assert phases["1: moments and Gram matrices"] == pytest.approx({"host_ms": 0.15, "kernels": 1, "kernel_ms": 0.06})
+    assert phases["2: the 2r x 2r algebra"] == pytest.approx({"host_ms": 0.2, "kernels": 0.5, "kernel_ms": 0.025})
+    assert phases["3: the update"] == {"host_ms": 0.0, "kernels": 0, "kernel_ms": 0.0}
+    assert phases["rest of the step"] == pytest.approx({"host_ms": 0.15, "kernels": 0.5, "kernel_ms": 0.005})
 
 
 def test_peak_sites_replays_an_allocator_trace_to_its_peak():
