@@ -344,10 +344,9 @@ def captured_against_eager(optimizers: dict[str, torch.optim.Optimizer], experts
     return out
 
 
-def profile_step(d_outs: dict[int, int], r: int, experts: int, steps: int = 3, rows: int = 15) -> str:
-    """The torch profiler's top ops (by device time on a GPU, CPU time elsewhere) of ``steps`` Cayley-Adam steps."""
-    # The eager step: the ops a capture records and replays, launch by launch (a replayed graph shows as one op); the
-    # captured step's kernels per step are in bench_set's table.
+def _profiled_eager_steps(d_outs: dict[int, int], r: int, experts: int, steps: int, with_stack: bool = False):
+    """The torch profiler after ``steps`` eager Cayley-Adam steps (the default implementation) on a fresh set: the
+    ops a capture records and replays, launch by launch (a replayed graph shows as one op), its state made before."""
     optimizer = CayleyAdam([{"params": lora_b_set(d_outs, r, experts), "num_experts": experts}], cuda_graph=False)
     for _ in range(GRAPH_WARMUP_STEPS + 1):  # the state made: not profiled
         optimizer.step()
@@ -355,10 +354,17 @@ def profile_step(d_outs: dict[int, int], r: int, experts: int, steps: int = 3, r
     if DEVICE.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     synchronize()
-    with torch.profiler.profile(activities=activities) as profiler:
+    with torch.profiler.profile(activities=activities, with_stack=with_stack) as profiler:
         for _ in range(steps):
             optimizer.step()
         synchronize()
+    return profiler
+
+
+def profile_step(d_outs: dict[int, int], r: int, experts: int, steps: int = 3, rows: int = 15) -> str:
+    """The torch profiler's top ops (by device time on a GPU, CPU time elsewhere) of ``steps`` eager Cayley-Adam
+    steps; the captured step's kernels per step are in bench_set's table."""
+    profiler = _profiled_eager_steps(d_outs, r, experts, steps)
     key = "self_device_time_total" if DEVICE.type == "cuda" else "self_cpu_time_total"
     return profiler.key_averages().table(sort_by=key, row_limit=rows)
 
@@ -387,17 +393,7 @@ def profile_phases(d_outs: dict[int, int], r: int, experts: int, steps: int = 3)
     """Where ``steps`` eager Cayley-Adam steps (the default implementation, the ops a capture replays) spend their
     time, phase by phase: host ms a step in the phase's functions (under the profiler's Python tracing, which slows
     the host) and, on a GPU, the kernels a step each phase launches and their ms a step."""
-    optimizer = CayleyAdam([{"params": lora_b_set(d_outs, r, experts), "num_experts": experts}], cuda_graph=False)
-    for _ in range(GRAPH_WARMUP_STEPS + 1):  # the state made: not profiled
-        optimizer.step()
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if DEVICE.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    synchronize()
-    with torch.profiler.profile(activities=activities, with_stack=True) as profiler:
-        for _ in range(steps):
-            optimizer.step()
-        synchronize()
+    profiler = _profiled_eager_steps(d_outs, r, experts, steps, with_stack=True)
     return phase_times(profiler.events(), steps)
 
 
