@@ -29,7 +29,8 @@ A section starts only if the budget has its estimate left (:data:`ESTIMATES`), a
 default --budget (430 s) keeps the whole device command (install, imports, sections) near 480 s: it covers optimizer,
 host_syncs, step_time, engines and the first fast_path rows the rest allows, and leaves out the other fast_path rows,
 step_rows, scoring, qfora, cli_train, memory_peak and fast_path_compile. A second call takes the first's rows as
-measured: ``--only fast_path step_rows --reuse FIRST/gpu.json --budget 200`` (docs/gpu.md, "Running it").
+measured (``--reuse FIRST/gpu.json``) and runs the sections left (``--only ...``); which ones the next lease runs, in
+which calls: docs/gpu.md, "Running it".
 
     python bench/gpu.py --device cuda --out "$OUT"      # one H100/H200: about 7.5 minutes with the install
     python bench/gpu.py --device cpu --tiny            # every section at tiny shapes; CUDA-only parts skipped

@@ -28,9 +28,9 @@
 # $OUT gets gpu.json (every number, the GPU, the driver, every package version), gpu.md (the tables) and gpu.log.
 # The default --budget (430 s) keeps the whole command near 480 s: a section or row starts only if the budget has
 # its estimate left (the rest are skipped, saying so), and the JSON is rewritten after every row, so a run cut short
-# still brings back what it measured. The second call, at once: the first's gpu.json copied into the worktree, then
-# the same command with `--only fast_path step_rows --reuse bench/results/first-call.json --budget 200` added to
-# gpu.py's arguments (docs/gpu.md, "Running it").
+# still brings back what it measured. A second call, at once: the first's gpu.json copied into the worktree, then
+# the same command with `--only` the sections left and `--reuse` that file added to gpu.py's arguments; the next
+# lease's calls are in docs/gpu.md, "Running it".
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
