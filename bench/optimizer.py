@@ -41,6 +41,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -148,7 +149,7 @@ def essential_matmuls(d_outs: dict[int, int], r: int, experts: int):
     return run
 
 
-def gram_products(d_outs: dict[int, int], r: int, experts: int) -> dict[str, callable]:
+def gram_products(d_outs: dict[int, int], r: int, experts: int) -> dict[str, Callable[[], None]]:
     """The staged step's Gram matrices [B, m]ᵀ[B, m] of every shape bucket alone, two ways: one product per matrix
     (what the essential matmuls run), and summed from blocks of rows (the step's ``gram_by_row_blocks``)."""
     gen = torch.Generator().manual_seed(2)

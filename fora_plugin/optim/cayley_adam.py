@@ -1066,10 +1066,10 @@ GRAM_ROW_BLOCK = 512
 
 
 def gram_by_row_blocks(P: torch.Tensor) -> torch.Tensor:
-    """PᵀP (n, c, c) of a dense P (n, d, c), summed from the Gram matrices of P's blocks of rows: the largest power of
-    two dividing d, up to :data:`GRAM_ROW_BLOCK` rows (4c where that is more). All d rows at once where that block is
-    under 64 or 4c rows: such blocks cost more in partial sums than they give. A row count with no such divisor (an
-    FSDP2 shard of 4096 rows over 3 ranks has 1366) gets one product per matrix."""
+    """PᵀP (n, c, c) of a dense P (n, d, c), summed from the Gram matrices of P's blocks of rows: gcd(d, L) rows, L
+    the larger of :data:`GRAM_ROW_BLOCK` and 4c (with L = 512, the largest power of two dividing d, up to 512). All d
+    rows at once where that block is under 64 or 4c rows: such blocks cost more in partial sums than they give. A row
+    count with no such divisor (an FSDP2 shard of 4096 rows over 3 ranks has 1366) gets one product per matrix."""
     n, d, c = P.shape
     rows = math.gcd(d, max(GRAM_ROW_BLOCK, 4 * c))
     if rows == d or rows < max(64, 4 * c):
