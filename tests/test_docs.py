@@ -266,12 +266,16 @@ def test_the_readme_is_at_most_300_lines():
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move a section to docs/"
 
 
-def test_the_readme_keeps_its_two_fresh_machine_commands():
-    # .ci/run runs the test command's steps; the quickstart is the main job on the embedded default model.
+def test_the_readme_keeps_its_two_fresh_machine_commands_and_ci_runs_its_main_job_as_written():
+    # .ci/run runs the test command's steps, and the quickstart (the main job on the embedded default model) verbatim.
     text = README.read_text()
     install = 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[{}]"'
-    assert install.format("quickstart") + " && fora train example_configs/quickstart.yaml\n" in text
+    quickstart = install.format("quickstart") + " && fora train example_configs/quickstart.yaml\n"
+    assert quickstart in text
     assert install.format("dev") + " && python -m pytest -q\n" in text
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "\n" + quickstart in ci
+    assert '"$quickstart_status"' in ci, "the main job's exit status is not among those .ci/run exits with"
 
 
 @pytest.mark.parametrize("page", PAGES[1:], ids=page_id)
